@@ -1,0 +1,84 @@
+"""The engine contract: token ids in, token ids (+ log-probs) out.
+
+An engine samples one *step* per request: it continues the given context ids until a stop
+condition (an action end tag, EOS, or ``max_new_tokens``) and returns exactly the ids it sampled —
+never decoded and re-encoded (DESIGN.md §3.1) and never past the stop (DESIGN.md §3.2).
+
+Engines: :mod:`treegrpo.rollout.hf_engine` (transformers, CPU/GPU) and
+:mod:`treegrpo.rollout.vllm_engine` (optional, GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one step.
+
+    Attributes:
+        max_new_tokens: per-step token cap; a step that hits it ends with ``finish_reason="length"``.
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling threshold (1.0 = off).
+        stop_token_ids: ids that end a step (included in the output), e.g. a single-token
+            ``</search>``. EOS is always a stop.
+        stop_strings: strings that end a step once the decoded *generated* text contains one; the
+            token that completes the string is the last one returned (it is never cut).
+        return_entropy: also return the full-distribution entropy at each sampled position.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    return_entropy: bool = False
+
+
+@dataclass
+class Generation:
+    """One sampled step.
+
+    Attributes:
+        tokens: the sampled ids, stop token included, nothing after it.
+        logprobs: log p(token) under the policy at temperature 1 (the model's own distribution,
+            whatever temperature/top-p was used to sample), one per token.
+        finish_reason: ``"stop"`` (a stop id/string), ``"eos"``, or ``"length"`` (hit the cap).
+        prefill_tokens: context tokens the engine actually ran through the model for this request
+            (less than the context length when a cached prefix was reused).
+        entropies: per-token entropy of the full distribution, when asked for.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prefill_tokens: int
+    entropies: list[float] | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Samples steps for a batch of contexts in one call."""
+
+    eos_token_id: int | None
+
+    def generate(
+        self,
+        contexts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]:
+        """Sample one step for every context; results in the same order as ``contexts``."""
+        ...
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights (after a trainer step)."""
+        ...
