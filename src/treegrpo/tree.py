@@ -291,7 +291,9 @@ def _parse_node(raw: Any, where: str) -> Node:
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
         raise ForestError(f"{w}: parent must be an integer or null, got {parent!r}")
     tokens = _int_list(raw.get("tokens", []), f"{w}: 'tokens'")
-    mask = _int_list(raw.get("policy_mask", [1 if parent is not None else 0] * len(tokens)), f"{w}: 'policy_mask'")
+    mask = _int_list(
+        raw.get("policy_mask", [1 if parent is not None else 0] * len(tokens)), f"{w}: 'policy_mask'"
+    )
     if len(mask) != len(tokens) or any(m not in (0, 1) for m in mask):
         raise ForestError(f"{w}: 'policy_mask' must be 0/1 values, one per token ({len(tokens)} tokens)")
     logprobs = raw.get("logprobs", [])
@@ -372,7 +374,9 @@ def parse_forest(doc: Any, where: str = "forest") -> Forest:
         tw = f"{where} tree {ti}"
         if not isinstance(traw, dict) or not isinstance(traw.get("nodes"), list):
             raise ForestError(f"{tw}: a tree must be an object with a 'nodes' list")
-        tree = Tree([_parse_node(r, tw) for r in traw["nodes"]], {k: v for k, v in traw.items() if k != "nodes"})
+        tree = Tree(
+            [_parse_node(r, tw) for r in traw["nodes"]], {k: v for k, v in traw.items() if k != "nodes"}
+        )
         validate_tree(tree, tw)
         trees.append(tree)
     extra = {k: v for k, v in doc.items() if k not in ("format", "prompt_id", "trees")}

@@ -68,7 +68,9 @@ class AgentEnv(Protocol):
         """The user message for ``task`` (the agent loop applies the chat template, if any)."""
         ...
 
-    def step(self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool]) -> list[StepOutcome]:
+    def step(
+        self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool]
+    ) -> list[StepOutcome]:
         """Answer a batch of steps at once (tool calls are batched). ``search_allowed[i]`` is False
         on the final turn: a search there is refused and the trajectory ends."""
         ...

@@ -32,7 +32,9 @@ PROTOCOL_TAGS = (
 MARKER_FILE = "treegrpo_tiny.json"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024, extra_tokens: Sequence[str] = ()) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 1024, extra_tokens: Sequence[str] = ()
+) -> Tokenizer:
     """Byte-level BPE trained on ``texts``; protocol tags and ``extra_tokens`` are whole tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -85,13 +87,17 @@ def build_model(
     return model
 
 
-def save_tiny(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path, info: dict | None = None) -> Path:
+def save_tiny(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path, info: dict | None = None
+) -> Path:
     """Save model + tokenizer with ``save_pretrained`` and a marker naming the tokenizer class."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / MARKER_FILE).write_text(json.dumps({"tokenizer": "PreTrainedTokenizerFast", **(info or {})}, indent=1))
+    (folder / MARKER_FILE).write_text(
+        json.dumps({"tokenizer": "PreTrainedTokenizerFast", **(info or {})}, indent=1)
+    )
     return folder
 
 
@@ -103,7 +109,9 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     """
     folder = Path(folder)
     if (folder / MARKER_FILE).exists():
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOS, pad_token=PAD)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOS, pad_token=PAD
+        )
     else:
         tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
@@ -112,7 +120,9 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> torch.nn.Module:
+def load_model(
+    folder: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
     """Load any local causal LM folder through ``from_pretrained``."""
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
 

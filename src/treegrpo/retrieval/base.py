@@ -61,7 +61,7 @@ def read_corpus(path: str | Path) -> list[Doc]:
     """Read a Search-R1 corpus JSONL file, with errors that name the line and the field."""
     p = Path(path)
     if not p.is_file():
-        raise CorpusError(f"{p}: no such corpus file (expected JSONL lines of {{\"id\", \"contents\"}})")
+        raise CorpusError(f'{p}: no such corpus file (expected JSONL lines of {{"id", "contents"}})')
     docs: list[Doc] = []
     with p.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -75,7 +75,9 @@ def read_corpus(path: str | Path) -> list[Doc]:
                 raise CorpusError(f"{p}:{lineno}: each line must be a JSON object")
             contents = row.get("contents")
             if not isinstance(contents, str) or not contents.strip():
-                raise CorpusError(f"{p}:{lineno}: field 'contents' must be a non-empty string (title on its first line)")
+                raise CorpusError(
+                    f"{p}:{lineno}: field 'contents' must be a non-empty string (title on its first line)"
+                )
             doc_id = row.get("id", str(len(docs)))
             docs.append(Doc(str(doc_id), contents))
     if not docs:

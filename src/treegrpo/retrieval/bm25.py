@@ -49,5 +49,7 @@ class BM25Retriever:
         ids, scores = self.index.retrieve(q_tokens, k=k, show_progress=False, n_threads=1)
         out: list[list[Hit]] = []
         for row_ids, row_scores in zip(np.asarray(ids), np.asarray(scores), strict=True):
-            out.append([Hit(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores, strict=True) if s > 0])
+            out.append(
+                [Hit(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores, strict=True) if s > 0]
+            )
         return out

@@ -1,0 +1,323 @@
+"""Advantage estimators over a forest (DESIGN.md §5.1–5.4).
+
+Every estimator is a pure function ``(forest, cfg) -> {(tree index, node id): advantage}`` kept in
+the :data:`ADVANTAGE_ESTIMATORS` registry; the trainer and the CLI dispatch only through
+:func:`get_advantage_estimator`. An estimator has a *level*:
+
+- ``"leaf"`` (trajectory level): one value per leaf, broadcast to every policy token of the
+  leaf's root→leaf path (``grpo``, ``tree_grpo``, ``intra_only``, ``inter_only``).
+- ``"node"`` (step level): one value per non-root node, given to that node's own policy tokens
+  (``treerl``).
+
+Shape suffixes follow the tinker-cookbook convention: ``rewards_G`` is a 1-D tensor with one entry
+per group member (G = leaves being normalised).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from treegrpo.tree import Forest, Tree
+
+Level = Literal["leaf", "node"]
+Scale = Literal["std", "none"]
+Components = Literal["both", "intra", "inter"]
+NodeKey = tuple[int, int]
+"""(tree index in ``forest.trees``, node id)."""
+
+EstimatorFn = Callable[[Forest, "AdvantageConfig"], dict[NodeKey, float]]
+
+_LEVELS = ("leaf", "node")
+_SCALES = ("std", "none")
+_COMPONENTS = ("both", "intra", "inter")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Options of the advantage estimators.
+
+    Attributes:
+        scale: ``"std"`` divides by the group's unbiased std (+ eps); ``"none"`` only subtracts the
+            group mean (Dr. GRPO). Used by the group-relative estimators; ``treerl`` ignores it.
+        eps: added to the std before dividing.
+        components: which parts of ``tree_grpo`` to sum: ``"both"`` (inter + intra, the paper),
+            ``"intra"`` or ``"inter"``. The registered ``intra_only`` / ``inter_only`` estimators
+            fix this regardless of the value here.
+        sqrt_weighting: ``treerl``: divide by sqrt(#leaves below the node) (TreeRL); False drops it.
+        local: ``treerl``: add the local term V(s) - V(parent); False keeps the global term only.
+    """
+
+    scale: Scale = "std"
+    eps: float = 1e-6
+    components: Components = "both"
+    sqrt_weighting: bool = True
+    local: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scale not in _SCALES:
+            raise ValueError(f"AdvantageConfig.scale must be one of {_SCALES}, got {self.scale!r}")
+        if self.components not in _COMPONENTS:
+            raise ValueError(
+                f"AdvantageConfig.components must be one of {_COMPONENTS}, got {self.components!r}"
+            )
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0 and math.isfinite(self.eps)):
+            raise ValueError(f"AdvantageConfig.eps must be a finite number >= 0, got {self.eps!r}")
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: its name, level (``"leaf"`` or ``"node"``) and function."""
+
+    name: str
+    level: Level
+    fn: EstimatorFn
+
+    def __call__(self, forest: Forest, cfg: AdvantageConfig | None = None) -> dict[NodeKey, float]:
+        return self.fn(forest, cfg if cfg is not None else AdvantageConfig())
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage(name: str, level: Level = "leaf") -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register ``fn(forest, cfg) -> {(tree index, node id): value}`` under ``name``.
+
+    Returns the function unchanged, so several names can be stacked on one function.
+    """
+    if level not in _LEVELS:
+        raise ValueError(f"advantage level must be one of {_LEVELS}, got {level!r}")
+
+    def deco(fn: EstimatorFn) -> EstimatorFn:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, level, fn)
+        return fn
+
+    return deco
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {known}") from None
+
+
+# -- the shared piece ---------------------------------------------------------------------------
+
+
+def group_normalize(
+    rewards_G: torch.Tensor,
+    group_ids_G: torch.Tensor,
+    scale: Scale = "std",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantage ``(r - mean(group)) / (std(group) + eps)``, vectorised.
+
+    Reproduces verl's ``compute_grpo_outcome_advantage`` exactly: std is **unbiased** (n-1); a
+    group of one member gets mean 0 and std 1, so a singleton returns ``r / (1 + eps)`` with
+    ``scale="std"`` and ``r`` itself with ``scale="none"``. A group whose members are all equal
+    (std 0) returns 0 for each member.
+
+    Args:
+        rewards_G: [G] rewards, one per group member (any real dtype; integer input is promoted
+            to the default float dtype).
+        group_ids_G: [G] integer group label of each member (any integers, not necessarily
+            contiguous).
+        scale: ``"std"`` divides by (std + eps); ``"none"`` only subtracts the mean (Dr. GRPO).
+        eps: added to the std.
+
+    Returns:
+        advantages_G: [G], same floating dtype as ``rewards_G``.
+    """
+    if scale not in _SCALES:
+        raise ValueError(f"scale must be one of {_SCALES}, got {scale!r}")
+    if rewards_G.dim() != 1 or group_ids_G.shape != rewards_G.shape:
+        raise ValueError(
+            f"rewards_G and group_ids_G must be 1-D of the same length, got "
+            f"{tuple(rewards_G.shape)} and {tuple(group_ids_G.shape)}"
+        )
+    r = rewards_G if rewards_G.is_floating_point() else rewards_G.to(torch.get_default_dtype())
+    if r.numel() == 0:
+        return r.clone()
+    _, gid = torch.unique(group_ids_G, return_inverse=True)  # [G] contiguous 0..K-1
+    k = int(gid.max().item()) + 1
+    count_K = torch.bincount(gid, minlength=k).to(r.dtype)
+    sum_K = torch.zeros(k, dtype=r.dtype, device=r.device).index_add_(0, gid, r)
+    mean_K = sum_K / count_K
+    dev_G = r - mean_K[gid]
+    sq_K = torch.zeros(k, dtype=r.dtype, device=r.device).index_add_(0, gid, dev_G * dev_G)
+    single_K = count_K <= 1
+    std_K = torch.sqrt(sq_K / torch.clamp(count_K - 1, min=1))
+    mean_K = torch.where(single_K, torch.zeros_like(mean_K), mean_K)
+    std_K = torch.where(single_K, torch.ones_like(std_K), std_K)
+    centred_G = r - mean_K[gid]
+    if scale == "none":
+        return centred_G
+    return centred_G / (std_K[gid] + eps)
+
+
+# -- estimators ---------------------------------------------------------------------------------
+
+
+def _leaf_reward(tree: Tree, node_id: int, ti: int) -> float:
+    r = tree.node(node_id).reward
+    if r is None:
+        raise ValueError(f"tree {ti} node {node_id}: leaf has no reward")
+    return float(r)
+
+
+def _leaf_table(forest: Forest) -> tuple[list[NodeKey], torch.Tensor, torch.Tensor]:
+    """Keys, rewards [G] (float64) and tree index [G] of every leaf of the forest."""
+    keys: list[NodeKey] = []
+    rewards: list[float] = []
+    trees: list[int] = []
+    for ti, leaf in forest.leaves():
+        keys.append((ti, leaf.id))
+        rewards.append(_leaf_reward(forest.trees[ti], leaf.id, ti))
+        trees.append(ti)
+    return keys, torch.tensor(rewards, dtype=torch.float64), torch.tensor(trees, dtype=torch.long)
+
+
+def _tree_grpo(forest: Forest, cfg: AdvantageConfig, components: Components) -> dict[NodeKey, float]:
+    keys, rewards_G, tree_G = _leaf_table(forest)
+    if not keys:
+        return {}
+    adv_G = torch.zeros_like(rewards_G)
+    if components in ("both", "inter"):
+        adv_G = adv_G + group_normalize(rewards_G, torch.zeros_like(tree_G), cfg.scale, cfg.eps)
+    if components in ("both", "intra"):
+        adv_G = adv_G + group_normalize(rewards_G, tree_G, cfg.scale, cfg.eps)
+    return dict(zip(keys, adv_G.tolist(), strict=True))
+
+
+@register_advantage("grpo", level="leaf")
+def grpo_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
+    """Chain GRPO (§5.2): each leaf gets ``norm(r, all leaves of the forest)``."""
+    return _tree_grpo(forest, cfg, "inter")
+
+
+@register_advantage("tree_grpo", level="leaf")
+def tree_grpo_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
+    """Tree-GRPO (§5.3): ``norm(r, forest leaves) + norm(r, own tree's leaves)``.
+
+    ``cfg.components`` picks ``"both"`` (default, the paper), ``"intra"`` or ``"inter"``.
+    """
+    return _tree_grpo(forest, cfg, cfg.components)
+
+
+@register_advantage("intra_only", level="leaf")
+def intra_only_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
+    """Tree-GRPO ablation: intra-tree term only, ``norm(r, own tree's leaves)``."""
+    return _tree_grpo(forest, cfg, "intra")
+
+
+@register_advantage("inter_only", level="leaf")
+def inter_only_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
+    """Tree-GRPO ablation: inter-tree term only, ``norm(r, forest leaves)`` (equals ``grpo``)."""
+    return _tree_grpo(forest, cfg, "inter")
+
+
+@register_advantage("treerl", level="node")
+def treerl_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
+    """TreeRL process reward (§5.4), one value per non-root node.
+
+    ``V(s)`` = mean reward of the leaves below ``s`` (``s`` itself for a leaf). All tree roots
+    are merged into one virtual root with ``V(root)`` = mean over every leaf of the forest; the
+    parent of a first-level node is that virtual root. Then::
+
+        R(s) = (V(s) - V(root) + V(s) - V(parent(s))) / sqrt(|L(s)|)
+
+    ``cfg.local=False`` drops ``V(s) - V(parent(s))``; ``cfg.sqrt_weighting=False`` drops the
+    division. ``cfg.scale`` and ``cfg.eps`` are not used.
+    """
+    # Leaf sums and counts per node, accumulated bottom-up.
+    total: dict[NodeKey, float] = {}
+    count: dict[NodeKey, int] = {}
+    all_sum, all_n = 0.0, 0
+    for ti, tree in enumerate(forest.trees):
+        order = list(tree.dfs())
+        for node in reversed(order):  # children before parents
+            key = (ti, node.id)
+            kids = tree.children[node.id]
+            if node.parent is not None and not kids:
+                r = _leaf_reward(tree, node.id, ti)
+                total[key], count[key] = r, 1
+                all_sum += r
+                all_n += 1
+            else:
+                total[key] = sum(total[(ti, c)] for c in kids)
+                count[key] = sum(count[(ti, c)] for c in kids)
+    if all_n == 0:
+        return {}
+    v_root = all_sum / all_n
+    out: dict[NodeKey, float] = {}
+    for ti, tree in enumerate(forest.trees):
+        root_id = tree.root.id
+        for node in tree.nodes:
+            if node.parent is None:
+                continue
+            key = (ti, node.id)
+            n = count[key]
+            v = total[key] / n
+            if node.parent == root_id:
+                v_parent = v_root
+            else:
+                pk = (ti, node.parent)
+                v_parent = total[pk] / count[pk]
+            r = v - v_root
+            if cfg.local:
+                r += v - v_parent
+            if cfg.sqrt_weighting:
+                r /= math.sqrt(n)
+            out[key] = r
+    return out
+
+
+# -- applying an estimator ----------------------------------------------------------------------
+
+
+def score_forest(forest: Forest, name: str, cfg: AdvantageConfig | None = None) -> Forest:
+    """Set ``node.advantage`` on every node the estimator ``name`` scores, in place.
+
+    Leaf-level estimators score the leaves, node-level ones every non-root node. Every other
+    node's ``advantage`` is reset to ``None`` so that no stale value from an earlier scoring
+    remains. Returns ``forest``.
+    """
+    values = get_advantage_estimator(name)(forest, cfg)
+    for ti, tree in enumerate(forest.trees):
+        for node in tree.nodes:
+            node.advantage = values.get((ti, node.id))
+    return forest
+
+
+def token_advantages(forest: Forest, name: str, cfg: AdvantageConfig | None = None) -> list[list[float]]:
+    """Per-token advantages of every root→leaf path, in the order of ``forest.paths()``.
+
+    Each inner list has one entry per token of the flattened path (prompt included): 0.0 where
+    the policy mask is 0; elsewhere the leaf's advantage (leaf-level estimators) or the owning
+    node's advantage (node-level estimators). Does not modify the forest.
+    """
+    est = get_advantage_estimator(name)
+    values = est(forest, cfg)
+    out: list[list[float]] = []
+    for ti, leaf in forest.leaves():
+        tree = forest.trees[ti]
+        row: list[float] = []
+        for node in tree.path(leaf.id):
+            if len(node.policy_mask) != len(node.tokens):
+                raise ValueError(
+                    f"tree {ti} node {node.id}: policy_mask has {len(node.policy_mask)} entries for "
+                    f"{len(node.tokens)} tokens"
+                )
+            a = values[(ti, leaf.id)] if est.level == "leaf" else values.get((ti, node.id), 0.0)
+            row.extend(float(a) if m else 0.0 for m in node.policy_mask)
+        out.append(row)
+    return out

@@ -1,0 +1,209 @@
+"""The agent step loop: batched, token-in/token-out, one engine call per turn.
+
+Every trajectory in flight is a :class:`Cursor`: where in which tree its next step attaches, the
+full context ids up to there, and its turn count. :func:`run_turns` advances all cursors of all
+prompts together — one :meth:`Engine.generate` call per turn, one batched tool call per turn —
+and grows the trees in place: each step becomes a node whose tokens are the ids the engine
+sampled followed by the observation ids (tokenized once, here). A trajectory ends in a leaf with a
+reward when it answers, hits the turn limit (after one final turn without search), or runs out of
+context; malformed actions get Search-R1's "invalid action" observation (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.rollout.engine import Engine, SamplingParams
+from treegrpo.tree import Forest, Node, Tree
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits and sampling of the agent loop.
+
+    Attributes:
+        max_turns: turns in which the model may search; then one final turn with search disabled.
+        max_step_tokens: per-step generation cap (an over-long step is an invalid action).
+        max_obs_tokens: observation tokens kept per step (longer observations are truncated).
+        max_context_tokens: a trajectory whose context would exceed this ends (reward by the env).
+        temperature: sampling temperature (0 = greedy).
+        top_p: nucleus sampling threshold.
+        use_chat_template: apply the tokenizer's chat template to the prompt when it has one.
+    """
+
+    max_turns: int = 4
+    max_step_tokens: int = 48
+    max_obs_tokens: int = 160
+    max_context_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    use_chat_template: bool = True
+
+
+@dataclass
+class Budget:
+    """What one prompt's rollout cost (DESIGN.md §3.4): every count made once, where it happened."""
+
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    tool_calls: int = 0
+    engine_requests: int = 0
+    retrieval_errors: int = 0
+    invalid_actions: int = 0
+
+    def add(self, other: Budget) -> Budget:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+        return self
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class RolloutResult:
+    """Forests (one per task, in task order), their per-prompt budgets, and batch-level costs."""
+
+    forests: list[Forest]
+    budgets: list[Budget]
+    engine_calls: int = 0
+    wall_s: float = 0.0
+
+    def total(self) -> Budget:
+        out = Budget()
+        for b in self.budgets:
+            out.add(b)
+        return out
+
+
+@dataclass
+class Cursor:
+    """A trajectory in flight: its next step becomes a child of ``parent_id`` in ``tree``."""
+
+    forest_index: int
+    tree: Tree
+    parent_id: int
+    context: list[int]
+    turn: int
+    task: Task
+
+
+@dataclass
+class StepRunner:
+    """Binds an engine, an environment and a tokenizer; advances cursors turn by turn."""
+
+    engine: Engine
+    env: AgentEnv
+    tokenizer: Any
+    cfg: AgentConfig = field(default_factory=AgentConfig)
+
+    def __post_init__(self) -> None:
+        stop_ids: list[int] = []
+        stop_strings: list[str] = []
+        for s in self.env.stop_strings:
+            ids = self.tokenizer.encode(s, add_special_tokens=False)
+            if len(ids) == 1:
+                stop_ids.append(ids[0])
+            else:
+                stop_strings.append(s)
+        self.params = SamplingParams(
+            max_new_tokens=self.cfg.max_step_tokens,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            stop_token_ids=tuple(stop_ids),
+            stop_strings=tuple(stop_strings),
+        )
+
+    # -- prompts -------------------------------------------------------------------------------
+    def prompt_ids(self, task: Task) -> list[int]:
+        """The prompt's ids: the env's message through the chat template when there is one."""
+        text = self.env.prompt(task)
+        if self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def new_forest(self, task: Task, n_trees: int) -> Forest:
+        """A forest of ``n_trees`` trees, each holding only its root (the prompt)."""
+        ids = self.prompt_ids(task)
+        text = self.env.prompt(task)
+        trees = [
+            Tree([Node(0, None, text=text, tokens=list(ids), policy_mask=[0] * len(ids))])
+            for _ in range(n_trees)
+        ]
+        extra = {"question": task.question, "answers": list(task.answers)}
+        if task.data_source:
+            extra["data_source"] = task.data_source
+        return Forest(task.id, trees, extra)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run_turns(
+        self,
+        cursors: Sequence[Cursor],
+        budgets: Sequence[Budget],
+        generator: torch.Generator | None = None,
+        params: SamplingParams | None = None,
+    ) -> int:
+        """Advance every cursor until its trajectory ends; returns the number of engine calls."""
+        params = params or self.params
+        active = list(cursors)
+        calls = 0
+        while active:
+            gens = self.engine.generate([c.context for c in active], params, generator)
+            calls += 1
+            texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=False) for g in gens]
+            allowed = [c.turn < self.cfg.max_turns for c in active]
+            outcomes = self.env.step([c.task for c in active], texts, allowed)
+            still: list[Cursor] = []
+            for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
+                b = budgets[c.forest_index]
+                b.generated_tokens += len(g.tokens)
+                b.prefill_tokens += g.prefill_tokens
+                b.engine_requests += 1
+                b.tool_calls += out.tool_calls
+                b.retrieval_errors += int(out.retrieval_error)
+                b.invalid_actions += int(out.kind == "invalid")
+                obs_ids: list[int] = []
+                obs_text = out.observation
+                done, reward = out.done, out.reward
+                if not done:
+                    obs_ids = list(self.tokenizer.encode(out.observation or "", add_special_tokens=False))
+                    if len(obs_ids) > self.cfg.max_obs_tokens:
+                        obs_ids = obs_ids[: self.cfg.max_obs_tokens]
+                        obs_text = self.tokenizer.decode(obs_ids, skip_special_tokens=False)
+                    room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
+                    if room > self.cfg.max_context_tokens:  # no room for another step: end here
+                        done, reward, obs_ids, obs_text = True, self.env.score(c.task, text), [], None
+                node = Node(
+                    id=c.tree.next_id(),
+                    parent=c.parent_id,
+                    text=text,
+                    observation=obs_text,
+                    tokens=list(g.tokens) + obs_ids,
+                    policy_mask=[1] * len(g.tokens) + [0] * len(obs_ids),
+                    logprobs=list(g.logprobs) + [0.0] * len(obs_ids),
+                    entropy=None if g.entropies is None else list(g.entropies) + [0.0] * len(obs_ids),
+                    reward=reward if done else None,
+                    extra={
+                        "kind": out.kind,
+                        "turn": c.turn + 1,
+                        "finish_reason": g.finish_reason,
+                        **out.info,
+                    },
+                )
+                if out.retrieval_error:
+                    node.extra["retrieval_error"] = True
+                c.tree.add(node)
+                if not done:
+                    c.context = c.context + node.tokens
+                    c.parent_id = node.id
+                    c.turn += 1
+                    still.append(c)
+            active = still
+        return calls

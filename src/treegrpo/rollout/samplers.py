@@ -1,0 +1,155 @@
+"""Samplers: how a group of trajectories per prompt is grown. All return forests.
+
+- ``chain``: G independent chains per prompt (each chain is its own tree).
+- ``tree``: Tree-GRPO's initialize-then-expand (DESIGN.md §5.3): M chains per prompt, then L
+  rounds in which N nodes of every tree are picked and one new trajectory is continued from each
+  picked node's full context. A tree ends with 1 + N·L leaves.
+
+Both go through the same :class:`~treegrpo.rollout.agent.StepRunner`, batched across every
+prompt and tree per turn, so their costs are measured by the same counters.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from treegrpo.envs.base import Task
+from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
+from treegrpo.tree import Forest, Node, Tree
+
+ExpandMode = Literal["random", "nonroot", "entropy"]
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Shape of the rollout group.
+
+    Attributes:
+        name: ``chain`` or ``tree``.
+        group_size: chains per prompt for ``chain`` (G).
+        m: initial chains per prompt for ``tree`` (M; official name ``ts_m``).
+        n: nodes expanded per tree per round (N; ``ts_n``).
+        l: expansion rounds (L; ``ts_l``).
+        expand_mode: ``random`` picks uniformly with replacement among the root and all non-leaf
+            nodes (the official code: a picked root starts a brand-new chain); ``nonroot`` excludes
+            the root whenever the tree has another non-leaf node; ``entropy`` prefers steps whose
+            policy tokens had the highest mean ``-log p``, down-weighting steps already expanded.
+    """
+
+    name: str = "tree"
+    group_size: int = 4
+    m: int = 2
+    n: int = 2
+    l: int = 1  # noqa: E741 - the papers' name
+    expand_mode: ExpandMode = "random"
+
+    def trajectories_per_prompt(self) -> int:
+        return self.group_size if self.name == "chain" else self.m * (1 + self.n * self.l)
+
+
+Sampler = Callable[
+    [StepRunner, Sequence[Task], SamplerConfig, random.Random, "torch.Generator | None"], RolloutResult
+]
+SAMPLERS: dict[str, Sampler] = {}
+
+
+def register_sampler(name: str) -> Callable[[Sampler], Sampler]:
+    def deco(fn: Sampler) -> Sampler:
+        SAMPLERS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_sampler(name: str) -> Sampler:
+    try:
+        return SAMPLERS[name]
+    except KeyError:
+        raise ValueError(f"unknown sampler {name!r}; choose one of {sorted(SAMPLERS)}") from None
+
+
+def _initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
+    forests = [runner.new_forest(t, n_trees) for t in tasks]
+    cursors = [
+        Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task)
+        for fi, (f, task) in enumerate(zip(forests, tasks, strict=True))
+        for tree in f.trees
+    ]
+    return forests, cursors
+
+
+@register_sampler("chain")
+def sample_chains(
+    runner: StepRunner,
+    tasks: Sequence[Task],
+    cfg: SamplerConfig,
+    rng: random.Random,
+    generator: torch.Generator | None = None,
+) -> RolloutResult:
+    """G independent chains per prompt, all prompts batched per turn."""
+    t0 = time.perf_counter()
+    forests, cursors = _initialize(runner, tasks, cfg.group_size)
+    budgets = [Budget() for _ in tasks]
+    calls = runner.run_turns(cursors, budgets, generator)
+    return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
+
+
+def _mean_surprise(node: Node) -> float:
+    lps = [lp for lp, m in zip(node.logprobs, node.policy_mask, strict=False) if m]
+    return -sum(lps) / len(lps) if lps else 0.0
+
+
+def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list[Node]:
+    """Choose ``n`` nodes of ``tree`` to expand (with replacement), per ``mode``."""
+    nonleaf = [nd for nd in tree.nodes if nd.parent is not None and not tree.is_leaf(nd.id)]
+    if mode == "random" or (mode in ("nonroot", "entropy") and not nonleaf):
+        candidates = [tree.root, *nonleaf]
+        return [rng.choice(candidates) for _ in range(n)]
+    if mode == "nonroot":
+        return [rng.choice(nonleaf) for _ in range(n)]
+    if mode == "entropy":
+        picks: list[Node] = []
+        times: dict[int, int] = {}
+        for _ in range(n):
+            # Highest mean surprise, down-weighted by how often the step was already expanded
+            # (existing children beyond the first continuation, plus picks made this round).
+            def key(nd: Node) -> float:
+                expanded = len(tree.children[nd.id]) - 1 + times.get(nd.id, 0)
+                return _mean_surprise(nd) / (1 + expanded)
+
+            best = max(nonleaf, key=key)
+            times[best.id] = times.get(best.id, 0) + 1
+            picks.append(best)
+        return picks
+    raise ValueError(f"unknown expand_mode {mode!r}; choose random, nonroot or entropy")
+
+
+@register_sampler("tree")
+def sample_trees(
+    runner: StepRunner,
+    tasks: Sequence[Task],
+    cfg: SamplerConfig,
+    rng: random.Random,
+    generator: torch.Generator | None = None,
+) -> RolloutResult:
+    """Initialize-then-expand: M chains per prompt, then L rounds of N expansions per tree."""
+    t0 = time.perf_counter()
+    forests, cursors = _initialize(runner, tasks, cfg.m)
+    budgets = [Budget() for _ in tasks]
+    calls = runner.run_turns(cursors, budgets, generator)
+    for _ in range(cfg.l):
+        expansions: list[Cursor] = []
+        for fi, (forest, task) in enumerate(zip(forests, tasks, strict=True)):
+            for tree in forest.trees:
+                for node in pick_nodes(tree, cfg.n, cfg.expand_mode, rng):
+                    path = tree.path(node.id)
+                    context = [tok for nd in path for tok in nd.tokens]
+                    expansions.append(Cursor(fi, tree, node.id, context, len(path) - 1, task))
+        calls += runner.run_turns(expansions, budgets, generator)
+    return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)

@@ -1,0 +1,200 @@
+"""Training configuration: one validated model, loadable from YAML, overridable from the CLI.
+
+Every field's description is its ``--help`` text. Official Tree-GRPO names are accepted as
+aliases where they map (``ts_m``, ``ts_n``, ``ts_l``). Bad values raise :class:`ConfigError` with
+one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message is one line a user can act on."""
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    # -- what to train, on what ----------------------------------------------------------------
+    model: str | None = Field(
+        None,
+        description="Local causal-LM folder; default: the bootstrapped tiny agent (built and cached on first use).",
+    )
+    preset: str = Field("default", description="Synthetic world preset used when no --data is given.")
+    world_seed: int | None = Field(
+        None, description="Override the world preset's seed (a different world of the same kind)."
+    )
+    data: str | None = Field(
+        None, description="Training questions: Search-R1/verl parquet or JSONL {id, question, answers}."
+    )
+    eval_data: str | None = Field(
+        None,
+        description="Held-out questions (same formats); default: the world's eval split or a slice of --data.",
+    )
+    corpus: str | None = Field(
+        None,
+        description="Search-R1 corpus JSONL {id, contents} (or a built-in corpus name) for an in-process retriever.",
+    )
+    retriever_url: str | None = Field(
+        None, description="URL of a Search-R1-compatible retrieval server (POST /retrieve)."
+    )
+    topk: int = Field(3, ge=1, le=50, description="Passages returned per search.")
+    prompt_template: str = Field(
+        "auto",
+        description="search_r1 | minimal | a format string with {question}; auto = minimal for the tiny agent, search_r1 otherwise.",
+    )
+    reward: Literal["em", "sub_em", "f1"] = Field("em", description="Answer reward.")
+
+    # -- rollout -----------------------------------------------------------------------------------
+    sampler: Literal["tree", "chain"] = Field(
+        "tree", description="tree (Tree-GRPO initialize-then-expand) or chain (independent chains)."
+    )
+    group_size: int = Field(4, ge=1, description="Chains per prompt for --sampler chain.")
+    m: int = Field(
+        2,
+        ge=1,
+        validation_alias=AliasChoices("m", "ts_m"),
+        description="Tree: initial chains per prompt (M, ts_m).",
+    )
+    n: int = Field(
+        2,
+        ge=0,
+        validation_alias=AliasChoices("n", "ts_n"),
+        description="Tree: nodes expanded per tree per round (N, ts_n).",
+    )
+    l: int = Field(
+        1, ge=0, validation_alias=AliasChoices("l", "ts_l"), description="Tree: expansion rounds (L, ts_l)."
+    )  # noqa: E741
+    expand_mode: Literal["random", "nonroot", "entropy"] = Field(
+        "random",
+        description="Which nodes a tree expands: random (official, root eligible), nonroot, entropy.",
+    )
+    max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
+    max_step_tokens: int = Field(48, ge=1, description="Per-step generation cap (tokens).")
+    max_obs_tokens: int = Field(160, ge=1, description="Observation tokens kept per step.")
+    max_context_tokens: int = Field(1024, ge=16, description="Longest context a trajectory may reach.")
+    temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
+
+    # -- advantage and loss ------------------------------------------------------------------------
+    advantage: str = Field(
+        "auto",
+        description="Estimator from the registry (grpo, tree_grpo, intra_only, inter_only, treerl); auto = tree_grpo for trees, grpo for chains.",
+    )
+    adv_scale: Literal["std", "none"] = Field(
+        "std", description="Divide by the group std (std) or not (none, Dr. GRPO)."
+    )
+    clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
+    clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
+    dual_clip: bool = Field(False, description="Dual clip (c=3) for negative advantages.")
+    kl_coef: float = Field(
+        0.001, ge=0.0, description="KL-to-reference loss coefficient (0 disables the reference model)."
+    )
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="Loss aggregation (verl's modes)."
+    )
+
+    # -- optimisation ------------------------------------------------------------------------------
+    steps: int = Field(60, ge=0, description="RL steps.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
+    lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
+    micro_batch_tokens: int = Field(8192, ge=64, description="Token cap of one forward/backward micro-batch.")
+    packing: Literal["auto", "on", "off"] = Field(
+        "auto", description="Train tree forests packed (each shared token once)."
+    )
+
+    # -- evaluation, logging, checkpoints ---------------------------------------------------------
+    eval_every: int = Field(20, ge=0, description="Evaluate every N steps (0: only at start and end).")
+    eval_prompts: int = Field(128, ge=1, description="Held-out prompts per evaluation.")
+    eval_sampled: bool = Field(True, description="Also evaluate with sampling at T=1 (besides greedy).")
+    save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    dump_rollouts_every: int = Field(
+        20, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
+    )
+    out_dir: str = Field("runs/treegrpo", description="Where metrics, checkpoints and rollouts go.")
+    resume: bool = Field(False, description="Resume from out_dir/checkpoint if it exists.")
+    seed: int = Field(0, description="Seed of the run (prompt order, tree picks, sampling).")
+    device: str = Field("cpu", description="torch device.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.retriever_url and self.corpus:
+            raise ValueError("give either --corpus or --retriever-url, not both")
+        if (self.corpus or self.retriever_url) and not self.data:
+            raise ValueError("--corpus/--retriever-url need --data (questions to train on)")
+        if self.data and not (self.corpus or self.retriever_url):
+            raise ValueError("--data needs a retriever: --corpus PATH or --retriever-url URL")
+        if self.sampler == "tree" and self.n * self.l == 0 and self.m < 2:
+            raise ValueError(
+                "a tree with N·L = 0 and M = 1 has one trajectory per prompt: no group to compare"
+            )
+        return self
+
+    # -- derived -----------------------------------------------------------------------------------
+    @property
+    def estimator(self) -> str:
+        if self.advantage != "auto":
+            return self.advantage
+        return "tree_grpo" if self.sampler == "tree" else "grpo"
+
+    def trajectories_per_prompt(self) -> int:
+        return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
+
+
+def _one_line(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if e["loc"] else msg)
+    return "invalid config — " + "; ".join(parts)
+
+
+def make_config(base: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Validate ``base`` (e.g. from YAML) with ``overrides`` (from the CLI) on top."""
+    data = {**(base or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Read a YAML config (or none) and apply CLI overrides."""
+    base: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of field: value")
+        base = {k.replace("-", "_"): v for k, v in loaded.items()}
+    return make_config(base, overrides)
+
+
+def parse_set(pairs: list[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs; values are read as YAML scalars (``3``, ``true``, ``1e-4``)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected key=value")
+        k, v = pair.split("=", 1)
+        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+    return out
