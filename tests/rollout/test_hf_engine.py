@@ -22,9 +22,10 @@ def tokenizer(tiny_model_dir: Path):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tokenizer) -> HFEngine:
-    return HFEngine(load_model(tiny_model_dir), tokenizer)
+@pytest.fixture(scope="module", params=[True, False], ids=["reuse", "no-reuse"])
+def engine(tiny_model_dir: Path, tokenizer, request: pytest.FixtureRequest) -> HFEngine:
+    """The engine with prefix KV reuse on (the default) and off: every contract holds for both."""
+    return HFEngine(load_model(tiny_model_dir), tokenizer, prefix_reuse=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ def test_is_an_engine(engine: HFEngine, tokenizer) -> None:
 def test_logprobs_match_full_forward(engine: HFEngine, tokenizer) -> None:
     contexts = _contexts(tokenizer, [3, 17, 9, 30, 1])
     params = SamplingParams(max_new_tokens=12, temperature=1.0, return_entropy=True)
+    engine.release_cache()  # nothing stored: every context token is computed
     gens = engine.generate(contexts, params, generator=torch.Generator().manual_seed(1))
     assert len(gens) == len(contexts)
     for ctx, g in zip(contexts, gens, strict=True):
@@ -114,6 +116,33 @@ def test_greedy_batched_equals_single(engine: HFEngine, tokenizer) -> None:
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(s.logprobs), atol=1e-5, rtol=0)
     chunked = HFEngine(engine.model, tokenizer, max_batch_size=2).generate(contexts, params)
     assert [g.tokens for g in chunked] == [g.tokens for g in single]
+
+
+def test_one_batched_forward_per_decode_step(engine: HFEngine, tokenizer) -> None:
+    """All contexts go through one left-padded prefill and then one forward per decode step for
+    the whole batch (no per-row calls); a padded row gets positions 0..len-1 on its real tokens."""
+    contexts = _contexts(tokenizer, [4, 19, 1, 11])
+    calls: list[tuple[int, int, list[list[int]]]] = []
+
+    def hook(_module, _args, kwargs):
+        ids, pos = kwargs["input_ids"], kwargs["position_ids"]
+        calls.append((ids.shape[0], ids.shape[1], pos.tolist()))
+
+    engine.release_cache()
+    handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        gens = engine.generate(contexts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    finally:
+        handle.remove()
+    assert all(len(g.tokens) == 6 for g in gens)
+    assert len(calls) == 1 + 5
+    batch, width, positions = calls[0]
+    assert (batch, width) == (4, 19)
+    for row, ctx in zip(positions, contexts, strict=True):
+        assert row[-len(ctx) :] == list(range(len(ctx)))
+    for t, (batch, width, pos) in enumerate(calls[1:]):
+        assert (batch, width) == (4, 1)
+        assert [p[0] for p in pos] == [len(c) + t for c in contexts]
 
 
 def test_tiny_top_p_is_greedy(engine: HFEngine, tokenizer) -> None:

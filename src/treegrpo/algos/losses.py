@@ -229,6 +229,8 @@ def ppo_clip_loss(
 def entropy_from_logits(logits_B_T_V: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution at each position: ``logsumexp(z) - sum(softmax(z) * z)``.
 
+    Vocabulary entries with probability 0 (logit -inf) contribute 0, and their gradient is 0.
+
     Args:
         logits_B_T_V: [B, T, V] logits (any leading dims).
 
@@ -236,7 +238,9 @@ def entropy_from_logits(logits_B_T_V: torch.Tensor) -> torch.Tensor:
         entropy_B_T: [B, T] in nats.
     """
     probs = torch.softmax(logits_B_T_V, dim=-1)
-    return torch.logsumexp(logits_B_T_V, dim=-1) - (probs * logits_B_T_V).sum(dim=-1)
+    # Entries with probability 0 (e.g. logits of -inf for banned tokens) contribute 0, not 0 * -inf.
+    safe_logits = torch.where(probs > 0, logits_B_T_V, torch.zeros_like(logits_B_T_V))
+    return torch.logsumexp(logits_B_T_V, dim=-1) - (probs * safe_logits).sum(dim=-1)
 
 
 def compute_loss(

@@ -4,6 +4,11 @@ The model acts with ``<search> query </search>`` (the tool answers with
 ``<information>Doc 1(Title: t) text …</information>``) or ``<answer> a </answer>`` (the trajectory
 ends and is scored). Anything else is an invalid action: the model is told how to act and the
 trajectory goes on (DESIGN.md §3.6). Strings follow Search-R1's ``generation.py`` exactly.
+
+Rewards: ``em`` | ``sub_em`` | ``f1`` score the answer alone; ``format`` is Search-R1's
+format-aware score (:func:`treegrpo.envs.rewards.format_score`: 1.0 / 0.8 / 0.3 / 0.2 / 0.1 / 0),
+which also judges the whole trajectory. For it the env sets ``needs_history = True`` and the
+agent loop passes each trajectory's earlier ``(step text, observation)`` pairs to :meth:`step`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treegrpo.envs.base import StepOutcome, Task
-from treegrpo.envs.rewards import get_answer_metric
+from treegrpo.envs.rewards import em, format_score, get_answer_metric
 from treegrpo.retrieval.base import RetrievalError, Retriever, format_passages
 
 SEARCH_R1_PROMPT = (
@@ -34,6 +39,9 @@ INVALID_ACTION = (
     "Let me try again.\n"
 )
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+REWARDS = ("em", "sub_em", "f1", "format")
+History = Sequence[tuple[str, str | None]]
+"""A trajectory so far: its ``(step text, observation or None)`` pairs, oldest first."""
 
 
 def information(text: str) -> str:
@@ -57,7 +65,8 @@ class SearchEnv:
     Args:
         retriever: in-process index or an HTTP client to a Search-R1 server.
         topk: passages per search.
-        metric: answer reward, ``em`` | ``sub_em`` | ``f1``.
+        metric: reward, ``em`` | ``sub_em`` | ``f1`` (the answer alone) | ``format`` (Search-R1's
+            format-aware exact match over the whole trajectory).
         prompt_template: ``search_r1`` (Search-R1's instruction) | ``minimal`` | a format string
             with ``{question}``.
     """
@@ -69,13 +78,26 @@ class SearchEnv:
     stop_strings: tuple[str, ...] = ("</search>", "</answer>")
 
     def __post_init__(self) -> None:
-        self._metric = get_answer_metric(self.metric)
+        if self.metric not in REWARDS:
+            raise ValueError(f"unknown reward {self.metric!r}; choose one of {list(REWARDS)}")
+        self._metric = em if self.metric == "format" else get_answer_metric(self.metric)
         self._template = PROMPT_TEMPLATES.get(self.prompt_template, self.prompt_template)
         if "{question}" not in self._template:
             raise ValueError(
                 f"prompt_template {self.prompt_template!r} is neither one of {sorted(PROMPT_TEMPLATES)} "
                 "nor a format string containing '{question}'"
             )
+
+    @property
+    def needs_history(self) -> bool:
+        """True when :meth:`step` needs each trajectory's earlier steps (the ``format`` reward)."""
+        return self.metric == "format"
+
+    def answer_reward(self, task: Task, step: str, answer: str, history: History | None) -> float:
+        """Reward of a trajectory that ends with ``answer`` in ``step``."""
+        if self.metric != "format":
+            return self._metric(answer, task.answers)
+        return format_score(trajectory_text(history or (), step), answer, task.answers)
 
     def prompt(self, task: Task) -> str:
         return self._template.format(question=task.question.strip())
@@ -85,15 +107,28 @@ class SearchEnv:
         return 0.0
 
     def step(
-        self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool]
+        self,
+        tasks: Sequence[Task],
+        steps: Sequence[str],
+        search_allowed: Sequence[bool],
+        histories: Sequence[History] | None = None,
     ) -> list[StepOutcome]:
+        """Answer a batch of steps (searches batched into one retriever call).
+
+        ``histories[i]``, when given, holds trajectory ``i``'s earlier ``(step, observation)``
+        pairs; only the ``format`` reward reads it (without it, the answer step is judged alone).
+        """
         out: list[StepOutcome | None] = [None] * len(steps)
         to_search: list[tuple[int, str]] = []
         for i, (task, text, allowed) in enumerate(zip(tasks, steps, search_allowed, strict=True)):
             kind, content = parse_action(text)
             if kind == "answer":
+                history = histories[i] if histories is not None else None
+                info: dict = {"answer": content}
+                if self.metric == "format":
+                    info["em"] = em(content, task.answers)
                 out[i] = StepOutcome(
-                    "answer", True, reward=self._metric(content, task.answers), info={"answer": content}
+                    "answer", True, reward=self.answer_reward(task, text, content, history), info=info
                 )
             elif kind == "search" and content and allowed:
                 to_search.append((i, content))
@@ -126,3 +161,20 @@ class SearchEnv:
                     info={"query": q},
                 )
         return [o for o in out if o is not None]
+
+
+def trajectory_text(history: History, last_step: str = "") -> str:
+    """The response a format check judges: steps and observations in order, then ``last_step``.
+
+    An ``<information>`` block cut short by the agent loop's observation-length cap gets its
+    closing tag back: the truncation is the environment's doing, not a format error of the model.
+    """
+    parts: list[str] = []
+    for step, obs in history:
+        parts.append(step)
+        if obs:
+            if obs.count("<information>") > obs.count("</information>"):
+                obs = obs + "</information>"
+            parts.append(obs)
+    parts.append(last_step)
+    return "".join(parts)

@@ -6,11 +6,15 @@ Corpus: JSONL ``{"id", "contents"}`` with the title on the first line of ``conte
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+import mmap
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
+
+import numpy as np
 
 
 class CorpusError(ValueError):
@@ -23,6 +27,8 @@ class RetrievalError(RuntimeError):
 
 @dataclass(frozen=True)
 class Doc:
+    """One passage: ``contents`` holds the title on its first line, then the text."""
+
     id: str
     contents: str
 
@@ -41,6 +47,8 @@ class Doc:
 
 @dataclass(frozen=True)
 class Hit:
+    """A retrieved passage and its retriever score (higher is better)."""
+
     doc: Doc
     score: float
 
@@ -89,3 +97,98 @@ def write_corpus(docs: Sequence[Doc], path: str | Path) -> None:
     from treegrpo.io import atomic_write_text
 
     atomic_write_text(Path(path), "".join(json.dumps(d.to_json()) + "\n" for d in docs))
+
+
+def doc_from_json(obj: Any, where: str = "document") -> Doc:
+    """A :class:`Doc` from a Search-R1 document object.
+
+    Accepts ``{"id", "contents"}`` (wiki-18, our server) and also ``{"title", "text"}`` documents that
+    some Search-R1 servers return; raises :class:`ValueError` naming ``where`` otherwise.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    contents = obj.get("contents")
+    if not isinstance(contents, str):
+        title, text = obj.get("title"), obj.get("text")
+        if isinstance(title, str) or isinstance(text, str):
+            contents = f"{title or ''}\n{text or ''}"
+        else:
+            raise ValueError(f"{where}: no 'contents' string (nor 'title'/'text')")
+    doc_id = obj.get("id", obj.get("doc_id", ""))
+    return Doc("" if doc_id is None else str(doc_id), contents)
+
+
+def corpus_fingerprint(path: str | Path) -> str:
+    """A short key that changes when the corpus file changes: resolved path, size, mtime (ns).
+
+    Indexes cached under :func:`treegrpo.io.user_cache_dir` are keyed by it, so editing or
+    replacing the corpus file builds a fresh index (a content hash of a multi-GB corpus would cost
+    a full read on every start).
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    return hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def line_offsets(path: str | Path) -> np.ndarray:
+    """Byte offsets of the non-blank lines of a JSONL file (one pass, no JSON parsing)."""
+    offsets: list[int] = []
+    pos = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if line.strip():
+                offsets.append(pos)
+            pos += len(line)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+class JsonlDocs(Sequence[Doc]):
+    """A read-only, memory-mapped view of a Search-R1 corpus file: ``docs[i]`` parses line ``i``
+    (blank lines skipped) on demand, so a multi-GB corpus opens in the time it takes to load the
+    offsets array. Build the offsets once with :func:`line_offsets` and save them with the index.
+    """
+
+    def __init__(self, path: str | Path, offsets: np.ndarray) -> None:
+        self.path = Path(path)
+        self.offsets = offsets
+        self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open for the mmap's lifetime
+        size = self.path.stat().st_size
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _line(self, i: int) -> bytes:
+        assert self._mm is not None
+        start = int(self.offsets[i])
+        end = self._mm.find(b"\n", start)
+        return self._mm[start : end if end >= 0 else len(self._mm)]
+
+    @overload
+    def __getitem__(self, i: int) -> Doc: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Doc]: ...
+    def __getitem__(self, i: int | slice) -> Doc | list[Doc]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} out of range (corpus has {len(self)})")
+        row = json.loads(self._line(i))
+        return Doc(str(row.get("id", i)), row["contents"])
+
+    def __iter__(self) -> Iterator[Doc]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+        self._fh.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), "offsets": np.asarray(self.offsets)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["offsets"])  # type: ignore[misc]

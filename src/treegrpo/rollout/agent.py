@@ -159,7 +159,11 @@ class StepRunner:
             calls += 1
             texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=False) for g in gens]
             allowed = [c.turn < self.cfg.max_turns for c in active]
-            outcomes = self.env.step([c.task for c in active], texts, allowed)
+            if getattr(self.env, "needs_history", False):  # e.g. a format-aware reward
+                histories = [[(n.text, n.observation) for n in c.tree.path(c.parent_id)[1:]] for c in active]
+                outcomes = self.env.step([c.task for c in active], texts, allowed, histories=histories)  # type: ignore[call-arg]
+            else:
+                outcomes = self.env.step([c.task for c in active], texts, allowed)
             still: list[Cursor] = []
             for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
                 b = budgets[c.forest_index]

@@ -52,7 +52,10 @@ class Generation:
             whatever temperature/top-p was used to sample), one per token.
         finish_reason: ``"stop"`` (a stop id/string), ``"eos"``, or ``"length"`` (hit the cap).
         prefill_tokens: context tokens the engine actually ran through the model for this request
-            (less than the context length when a cached prefix was reused).
+            (less than the context length when a cached prefix was reused). A prefix shared by
+            several requests of one call and computed once is counted once, on one of them (the
+            HF engine: the lowest-index request of the call that uses it), so the sum over a call's
+            generations is exactly the prefill work of that call; padding is never counted.
         entropies: per-token entropy of the full distribution, when asked for.
     """
 
@@ -66,7 +69,13 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """Samples steps for a batch of contexts in one call."""
+    """Samples steps for a batch of contexts in one call.
+
+    Optional method (not part of the structural check, so engines without it still qualify):
+    ``release_cache() -> None`` frees whatever KV the engine keeps between calls for prefix reuse.
+    Samplers call it through :func:`release_engine_cache` when a rollout ends; an engine must stay
+    correct without it (it only bounds memory).
+    """
 
     eos_token_id: int | None
 
@@ -82,3 +91,10 @@ class Engine(Protocol):
     def load_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (after a trainer step)."""
         ...
+
+
+def release_engine_cache(engine: object) -> None:
+    """Call the engine's optional ``release_cache()`` (see :class:`Engine`) if it has one."""
+    release = getattr(engine, "release_cache", None)
+    if callable(release):
+        release()

@@ -1,11 +1,48 @@
-"""A ``transformers`` engine: batched, KV-cached sampling of one agent step per context.
+"""A ``transformers`` engine: batched, KV-cached sampling of one agent step per context, with
+prefix KV reuse.
 
 One :meth:`HFEngine.generate` call runs all contexts as one left-padded batch (chunked by
-``max_batch_size``): a prefill over the padded contexts, then an incremental decode loop with a
-:class:`~transformers.DynamicCache`. Position ids are always passed explicitly
-(``cumsum(attention_mask) - 1``), so a left-padded row sees exactly the positions it would see
-alone. Rows that finish are dropped from the batch (and from the KV cache), and the loop ends as
-soon as every row has finished.
+``max_batch_size``): a prefill over the contexts' uncached suffixes, then an incremental decode
+loop with a :class:`~transformers.DynamicCache`. Position ids are always passed explicitly
+(``cumsum(attention_mask) - 1``), so a padded row sees exactly the positions it would see alone.
+Rows that finish are dropped from the batch (and from the KV cache), and the loop ends as soon as
+every row has finished; the decode step itself has no per-row Python loop.
+
+**Prefix KV reuse** (``prefix_reuse=True``, the default; DESIGN.md §3.3). The engine keeps the
+keys/values it computed in a :class:`~treegrpo.rollout.prefix_cache.PrefixCache` — a radix tree
+keyed by token ids, so a prefix shared by many sequences is stored once:
+
+* *across turns*: when a row finishes, the KV of its context plus the tokens it fed back
+  (``context + step[:-1]``) is stored; the next turn's context (``context + step + observation``)
+  then only prefills ``1 + len(observation)`` tokens;
+* *across rounds*: an expansion continues from a node's full context, which is a prefix of the
+  trajectory that went through the node, so its KV is already stored (only the last context
+  token is recomputed, to get the next-token logits);
+* *within a call*: a prefix shared by several contexts of the same call that is not stored yet
+  (the M copies of a prompt in the first turn, N picks of the same node after an eviction) is
+  prefilled **once**, stored, and copied into every row that uses it.
+
+A row's cached prefix is copied from the tree into a padded batch cache (cached part right-aligned
+in the cache region, uncached suffix right-aligned in the query block, holes masked); the
+attention mask and ``cumsum`` position ids make this exactly the computation of the full
+context (log-probs equal a full recompute to float rounding, ~1e-6 in float32).
+
+*What is counted* — :attr:`Generation.prefill_tokens` is the number of non-pad positions the
+model ran for that request in prefill forwards: its own uncached suffix, plus the tokens of any
+in-call shared prefix it was charged (a shared prefix computed once in a call is charged to the
+lowest-index request of that call whose context starts with it). So the sum over one call's
+generations is exactly the number of prefill positions computed in that call. Tokens taken from
+the store were counted when they were computed (as prefill, or as generated tokens fed back
+during decode). A fully stored context still prefills its last token (1).
+
+*Memory* — the store is bounded by ``prefix_cache_mb``: at the end of every ``generate`` call the
+least-recently-used leaves are evicted until it fits (``0`` keeps nothing between calls, but
+in-call sharing still works). It is emptied by :meth:`HFEngine.release_cache` (the samplers call
+it when a rollout ends, see :func:`~treegrpo.rollout.engine.release_engine_cache`), by
+:meth:`HFEngine.load_weights`, and automatically when any parameter changed in place since the
+cache was filled (an optimizer step, ``load_state_dict``: detected through the tensors' version
+counters), so a stale KV is never reused. Models whose cache layers are not plain
+``DynamicLayer`` (sliding-window / hybrid caches) run without reuse.
 
 Log-probs and entropies are those of the model's own distribution — ``log_softmax`` of the raw
 logits at temperature 1, without top-p — whatever temperature / top-p was used to draw the token,
@@ -18,21 +55,27 @@ whichever name the model's ``forward`` declares.
 
 from __future__ import annotations
 
+import bisect
 import inspect
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from treegrpo.rollout.engine import FinishReason, Generation, SamplingParams
+from treegrpo.rollout.prefix_cache import PrefixCache, common_prefix_len
 
 __all__ = ["HFEngine"]
 
 # Finish-reason codes used on tensors inside the decode loop.
 _RUNNING, _STOP, _EOS, _LENGTH = 0, 1, 2, 3
 _REASONS: dict[int, FinishReason] = {_STOP: "stop", _EOS: "eos", _LENGTH: "length"}
+
+Tokens = tuple[int, ...]
 
 
 def _cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -103,8 +146,39 @@ def _sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _supports_prefix_reuse(model: torch.nn.Module) -> bool:
+    """Whether the model's ``DynamicCache`` is made of plain full-attention ``DynamicLayer``s (whose
+    keys/values cover every position, so they can be cut per row and reassembled)."""
+    try:
+        cache = DynamicCache(config=getattr(model, "config", None))
+    except Exception:  # pragma: no cover - exotic configs
+        return False
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _weights_key(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place version counter of every parameter: changes whenever a weight does."""
+    return tuple((id(p), p._version) for p in model.parameters())
+
+
+def _row_kv(cache: DynamicCache, mask: torch.Tensor, b: int) -> Callable[[int], torch.Tensor]:
+    """``kv_from(start)`` for :meth:`PrefixCache.insert`: the KV of batch row ``b``'s real (unmasked)
+    positions from ``start`` on, as one ``(layers, 2, kv_heads, n, head_dim)`` tensor (a copy)."""
+
+    def kv_from(start: int) -> torch.Tensor:
+        cols = mask[b].nonzero().squeeze(-1)[start:]
+        return torch.stack(
+            [
+                torch.stack((layer.keys[b].index_select(-2, cols), layer.values[b].index_select(-2, cols)))
+                for layer in cache.layers
+            ]
+        )
+
+    return kv_from
+
+
 class HFEngine:
-    """Samples agent steps from a ``transformers`` causal LM (CPU or GPU).
+    """Samples agent steps from a ``transformers`` causal LM (CPU or GPU), reusing prefix KV.
 
     The model object is shared with the trainer: :meth:`load_weights` only points the engine at a
     module, no copy is made. During :meth:`generate` the model is in eval mode; its previous
@@ -118,6 +192,11 @@ class HFEngine:
             ``stop_strings``. Optional when no stop strings are used and the config has the ids.
         device: where the model runs.
         max_batch_size: contexts per forward batch; ``None`` = all contexts in one batch.
+        prefix_reuse: reuse computed KV across turns, rounds and within a call (module docstring).
+            ``False`` prefills every context in full (the baseline for efficiency benchmarks).
+        prefix_cache_mb: the most KV (MiB) kept between ``generate`` calls; least-recently-used
+            entries are evicted beyond it. ``0`` keeps nothing between calls (in-call sharing of a
+            common prefix still happens).
     """
 
     def __init__(
@@ -126,12 +205,20 @@ class HFEngine:
         tokenizer: Any | None = None,
         device: str | torch.device = "cpu",
         max_batch_size: int | None = None,
+        prefix_reuse: bool = True,
+        prefix_cache_mb: float = 1024.0,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefix_reuse = prefix_reuse
+        self.prefix_cache_mb = prefix_cache_mb
+        self.prefix_cache = PrefixCache(max_bytes=int(prefix_cache_mb * 2**20))
+        self._cache_weights_key: tuple[tuple[int, int], ...] | None = None
         self.model: torch.nn.Module
         self.load_weights(model)
 
@@ -145,16 +232,26 @@ class HFEngine:
         max_batch_size: int | None = None,
         dtype: torch.dtype = torch.float32,
         attn_implementation: str = "sdpa",
+        prefix_reuse: bool = True,
+        prefix_cache_mb: float = 1024.0,
     ) -> HFEngine:
         """Load a local causal LM folder (a tiny model or any real one) with its tokenizer."""
         from treegrpo.models.tiny import load_model, load_tokenizer
 
         model = load_model(folder, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = load_tokenizer(folder)
-        return cls(model, tokenizer, device=device, max_batch_size=max_batch_size)
+        return cls(
+            model,
+            tokenizer,
+            device=device,
+            max_batch_size=max_batch_size,
+            prefix_reuse=prefix_reuse,
+            prefix_cache_mb=prefix_cache_mb,
+        )
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        """Sample from ``model`` from now on (no copy: the trainer's module itself)."""
+        """Sample from ``model`` from now on (no copy: the trainer's module itself). Empties the
+        prefix cache: KV computed with other weights is never reused."""
         first = next(model.parameters(), None)
         if first is not None and first.device != self.device:
             model.to(self.device)
@@ -167,6 +264,24 @@ class HFEngine:
         self.max_positions: int | None = getattr(
             getattr(model, "config", None), "max_position_embeddings", None
         )
+        self._reuse_supported = _supports_prefix_reuse(model)
+        if self.prefix_reuse and not self._reuse_supported:
+            warnings.warn(
+                "HFEngine: this model's KV cache is not made of plain DynamicLayers (sliding window or "
+                "hybrid attention); prefix reuse is off for it",
+                stacklevel=2,
+            )
+        self.release_cache()
+
+    def release_cache(self) -> None:
+        """Free every stored prefix KV (the optional engine hook the samplers call after a rollout)."""
+        self.prefix_cache.clear()
+        self._cache_weights_key = None
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether prefix KV reuse is on (asked for, and supported by the model's cache)."""
+        return self.prefix_reuse and self._reuse_supported
 
     # ------------------------------------------------------------------ public API
 
@@ -180,7 +295,8 @@ class HFEngine:
 
         Each step ends right after an EOS / stop id / token completing a stop string (that token
         is returned), or after ``params.max_new_tokens`` tokens. Draws come from ``generator``
-        (the global RNG when ``None``), so a seeded generator gives reproducible samples.
+        (the global RNG when ``None``), so a seeded generator gives reproducible samples; prefix
+        reuse does not change which draws are made.
 
         Raises:
             ValueError: an empty context, bad sampling params, stop strings without a tokenizer,
@@ -189,26 +305,38 @@ class HFEngine:
         self._validate(contexts, params)
         if not contexts:
             return []
-        n = len(contexts)
+        ctxs: list[Tokens] = [tuple(int(t) for t in c) for c in contexts]
+        n = len(ctxs)
         bs = self.max_batch_size or n
         if bs >= n:
             chunks = [list(range(n))]
         else:
             # Group similar lengths to keep padding small; results are put back in input order.
-            order = sorted(range(n), key=lambda i: len(contexts[i]))
+            order = sorted(range(n), key=lambda i: len(ctxs[i]))
             chunks = [order[i : i + bs] for i in range(0, n, bs)]
 
+        reuse = self.reuses_prefixes
+        charges = [0] * n  # in-call shared-prefix tokens charged to each request
         results: list[Generation | None] = [None] * n
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
+                if reuse:
+                    key = _weights_key(self.model)
+                    if key != self._cache_weights_key:  # weights changed since the KV was computed
+                        self.prefix_cache.clear()
+                        self._cache_weights_key = key
+                    self._share_prefixes(ctxs, charges)
                 for chunk in chunks:
-                    gens = self._generate_batch([contexts[i] for i in chunk], params, generator)
+                    gens = self._generate_batch([ctxs[i] for i in chunk], params, generator, reuse)
                     for i, g in zip(chunk, gens, strict=True):
+                        g.prefill_tokens += charges[i]
                         results[i] = g
         finally:
             self.model.train(was_training)
+            if reuse:
+                self.prefix_cache.evict_to()
         return [g for g in results if g is not None]
 
     # ------------------------------------------------------------------ internals
@@ -234,6 +362,118 @@ class HFEngine:
                     f"the model's max_position_embeddings={self.max_positions}"
                 )
 
+    # -- prefix sharing within a call ------------------------------------------------------------
+
+    def _share_prefixes(self, ctxs: list[Tokens], charges: list[int]) -> None:
+        """Prefill, once each, the prefixes that several contexts of this call share and the store
+        lacks, so the per-row prefill only computes each row's own suffix. A context's shared
+        prefix stops one token short of its end (the last token is always run for its logits)."""
+        order = sorted(range(len(ctxs)), key=ctxs.__getitem__)
+        srt = [ctxs[i] for i in order]
+        targets: set[Tokens] = set()
+        for j, c in enumerate(srt):
+            shared = max(
+                common_prefix_len(c, srt[j - 1]) if j > 0 else 0,
+                common_prefix_len(c, srt[j + 1]) if j + 1 < len(srt) else 0,
+            )
+            shared = min(shared, len(c) - 1)
+            if shared > 0 and self.prefix_cache.match(c, shared) < shared:
+                targets.add(c[:shared])
+        if targets:
+            self._ensure_cached(sorted(targets), srt, order, charges)
+
+    def _ensure_cached(
+        self, seqs: list[Tokens], srt: list[Tokens], order: list[int], charges: list[int]
+    ) -> None:
+        """Compute and store every sequence of ``seqs`` (sorted), their own shared prefixes first."""
+        need = [s for s in seqs if self.prefix_cache.match(s) < len(s)]
+        if not need:
+            return
+        sub: set[Tokens] = set()
+        for j, s in enumerate(need):
+            shared = max(
+                common_prefix_len(s, need[j - 1]) if j > 0 else 0,
+                common_prefix_len(s, need[j + 1]) if j + 1 < len(need) else 0,
+            )
+            if 0 < shared < len(s) and self.prefix_cache.match(s, shared) < shared:
+                sub.add(s[:shared])
+        if sub:  # strictly shorter than the sequences they come from: the recursion ends
+            self._ensure_cached(sorted(sub), srt, order, charges)
+        need = [s for s in need if self.prefix_cache.match(s) < len(s)]
+        bs = self.max_batch_size or max(1, len(need))
+        for k in range(0, len(need), bs):
+            chunk = [s for s in need[k : k + bs] if self.prefix_cache.match(s) < len(s)]
+            if chunk:
+                for s, computed in zip(chunk, self._prefill_and_store(chunk), strict=True):
+                    charges[self._owner(s, srt, order)] += computed
+
+    @staticmethod
+    def _owner(prefix: Tokens, srt: list[Tokens], order: list[int]) -> int:
+        """The lowest request index whose context starts with ``prefix`` (``srt``: contexts sorted,
+        ``order``: their request indices). Contexts sharing a prefix are contiguous once sorted."""
+        k = bisect.bisect_left(srt, prefix)
+        owner = None
+        while k < len(srt) and srt[k][: len(prefix)] == prefix:
+            owner = order[k] if owner is None else min(owner, order[k])
+            k += 1
+        assert owner is not None, "a shared prefix always comes from some context"
+        return owner
+
+    def _prefill_and_store(self, seqs: list[Tokens]) -> list[int]:
+        """Run ``seqs`` through the model (reusing what is stored) and store their full KV.
+        Returns the tokens computed per sequence."""
+        ids, mask, cache, cached = self._assemble(seqs, [len(s) for s in seqs], reuse=True)
+        _, cache, _ = self._prefill(ids, mask, cache)
+        for b, s in enumerate(seqs):
+            self.prefix_cache.insert(s, _row_kv(cache, mask, b))
+        return [len(s) - c for s, c in zip(seqs, cached, strict=True)]
+
+    # -- batch assembly, prefill, decode -----------------------------------------------------------
+
+    def _assemble(
+        self, seqs: Sequence[Tokens], limits: Sequence[int], reuse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, DynamicCache | None, list[int]]:
+        """Build one padded batch: each row's longest stored prefix (at most ``limits[r]`` tokens)
+        goes into a batch cache, right-aligned in a cache region of width ``P``; its uncached suffix
+        is right-aligned in a query block of width ``S``. The attention mask (width ``P + S``) marks
+        real positions; the holes between the two parts are masked.
+
+        Returns:
+            suffix ids ``(B, S)``, attention mask ``(B, P + S)``, the batch cache (``None`` when
+            nothing was reused) and each row's number of reused tokens.
+        """
+        if reuse:
+            found = [self.prefix_cache.lookup(s, lim) for s, lim in zip(seqs, limits, strict=True)]
+        else:
+            found = [(0, [])] * len(seqs)
+        cached = [n for n, _ in found]
+        b = len(seqs)
+        p = max(cached)
+        width = max(len(s) - c for s, c in zip(seqs, cached, strict=True))
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, p + width), dtype=torch.long)
+        for r, (s, c) in enumerate(zip(seqs, cached, strict=True)):
+            suffix = s[c:]
+            ids[r, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            mask[r, p - c : p] = 1
+            mask[r, p + width - len(suffix) :] = 1
+        cache = None
+        if p > 0:
+            ref = next(seg for _, segs in found for seg in segs)
+            n_layers, _, heads, _, head_dim = ref.shape
+            kv = torch.zeros((n_layers, 2, b, heads, p, head_dim), dtype=ref.dtype, device=ref.device)
+            for r, (c, segs) in enumerate(found):
+                at = p - c
+                for seg in segs:
+                    ln = seg.shape[3]
+                    kv[:, :, r, :, at : at + ln] = seg
+                    at += ln
+            cache = DynamicCache(
+                ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(n_layers)],
+                config=getattr(self.model, "config", None),
+            )
+        return ids.to(self.device), mask.to(self.device), cache, cached
+
     def _forward(
         self,
         input_ids: torch.Tensor,
@@ -258,11 +498,10 @@ class HFEngine:
     def _prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache | None = None
     ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-        """Run the (left-padded) contexts through the model.
+        """Run the (padded) uncached suffixes through the model.
 
-        ``cache`` is the hook for prefix-KV reuse: when given, it already holds the first
-        ``attention_mask.shape[1] - input_ids.shape[1]`` positions and only ``input_ids`` (the
-        uncached suffix) is computed.
+        When ``cache`` is given it already holds the first ``attention_mask.shape[1] -
+        input_ids.shape[1]`` positions (a reused prefix per row) and only ``input_ids`` is computed.
 
         Returns:
             the last-position logits ``(B, V)``, the filled cache, and each row's next position id ``(B,)``.
@@ -276,22 +515,20 @@ class HFEngine:
         return logits, cache, next_pos
 
     def _generate_batch(
-        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None
+        self,
+        contexts: Sequence[Tokens],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        reuse: bool,
     ) -> list[Generation]:
         """Prefill + decode loop for one batch of contexts."""
         device = self.device
         b = len(contexts)
-        lengths = [len(c) for c in contexts]
-        width = max(lengths)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for r, ctx in enumerate(contexts):
-            ids[r, width - len(ctx) :] = torch.as_tensor(list(ctx), dtype=torch.long)
-            mask[r, width - len(ctx) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-
-        logits, cache, next_pos = self._prefill(ids, mask)
-        prefill_tokens = lengths  # no prefix reuse yet: every context token was computed
+        # The last context token is always run: its logits give the first sampled token.
+        ids, mask, cache, cached = self._assemble(contexts, [len(c) - 1 for c in contexts], reuse)
+        logits, cache, next_pos = self._prefill(ids, mask, cache)
+        prefill_tokens = [len(c) - k for c, k in zip(contexts, cached, strict=True)]
+        store = reuse and self.prefix_cache.max_bytes != 0
 
         max_new = params.max_new_tokens
         out_tokens = torch.full((b, max_new), self.pad_token_id, dtype=torch.long, device=device)
@@ -331,8 +568,12 @@ class HFEngine:
 
             if t == max_new - 1:
                 out_reason[rows] = torch.where(done, reason, out_reason[rows])
+                if store:
+                    self._store_rows(contexts, out_tokens, rows, torch.ones_like(done), t, cache, mask)
                 break
             if bool(done.any()):
+                if store:
+                    self._store_rows(contexts, out_tokens, rows, done, t, cache, mask)
                 out_len[rows[done]] = t + 1
                 out_reason[rows[done]] = reason[done]
                 keep = (~done).nonzero().squeeze(-1)
@@ -357,9 +598,27 @@ class HFEngine:
                 finish_reason=_REASONS[reason_l[r]],
                 prefill_tokens=prefill_tokens[r],
                 entropies=ent_l[r][: len_l[r]] if ent_l is not None else None,
+                extra={"cached_tokens": float(cached[r])},
             )
             for r in range(b)
         ]
+
+    def _store_rows(
+        self,
+        contexts: Sequence[Tokens],
+        out_tokens: torch.Tensor,
+        rows: torch.Tensor,
+        which: torch.Tensor,
+        t: int,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+    ) -> None:
+        """Store the KV of the finishing batch rows ``which``: their context plus the ``t`` sampled
+        tokens already fed back (the last sampled token has no KV yet; the next turn prefills it)."""
+        for bi in which.nonzero().squeeze(-1).tolist():
+            r = int(rows[bi])
+            seq = contexts[r] + tuple(out_tokens[r, :t].tolist())
+            self.prefix_cache.insert(seq, _row_kv(cache, mask, bi))
 
     def _check_stop_strings(
         self,

@@ -21,6 +21,7 @@ import torch
 
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
+from treegrpo.rollout.engine import release_engine_cache
 from treegrpo.tree import Forest, Node, Tree
 
 ExpandMode = Literal["random", "nonroot", "entropy"]
@@ -46,7 +47,7 @@ class SamplerConfig:
     group_size: int = 4
     m: int = 2
     n: int = 2
-    l: int = 1  # noqa: E741 - the papers' name
+    l: int = 1
     expand_mode: ExpandMode = "random"
 
     def trajectories_per_prompt(self) -> int:
@@ -97,6 +98,7 @@ def sample_chains(
     forests, cursors = _initialize(runner, tasks, cfg.group_size)
     budgets = [Budget() for _ in tasks]
     calls = runner.run_turns(cursors, budgets, generator)
+    release_engine_cache(runner.engine)  # the rollout is over: free its prefix KV (if any)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
 
 
@@ -152,4 +154,7 @@ def sample_trees(
                     context = [tok for nd in path for tok in nd.tokens]
                     expansions.append(Cursor(fi, tree, node.id, context, len(path) - 1, task))
         calls += runner.run_turns(expansions, budgets, generator)
+    # Released only now, not between rounds: every expansion context is a prefix of a trajectory
+    # of an earlier round, whose KV the engine still holds (within its memory cap).
+    release_engine_cache(runner.engine)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)

@@ -49,7 +49,10 @@ class TrainConfig(BaseModel):
         "auto",
         description="search_r1 | minimal | a format string with {question}; auto = minimal for the tiny agent, search_r1 otherwise.",
     )
-    reward: Literal["em", "sub_em", "f1"] = Field("em", description="Answer reward.")
+    reward: Literal["em", "sub_em", "f1", "format"] = Field(
+        "em",
+        description="Reward: em | sub_em | f1 (answer only) | format (Search-R1's format-aware EM: 1 / 0.8 / 0.3 / 0.2 / 0.1 / 0).",
+    )
 
     # -- rollout -----------------------------------------------------------------------------------
     sampler: Literal["tree", "chain"] = Field(
@@ -70,7 +73,7 @@ class TrainConfig(BaseModel):
     )
     l: int = Field(
         1, ge=0, validation_alias=AliasChoices("l", "ts_l"), description="Tree: expansion rounds (L, ts_l)."
-    )  # noqa: E741
+    )
     expand_mode: Literal["random", "nonroot", "entropy"] = Field(
         "random",
         description="Which nodes a tree expands: random (official, root eligible), nonroot, entropy.",
@@ -122,7 +125,7 @@ class TrainConfig(BaseModel):
     dump_rollouts_every: int = Field(
         20, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
     )
-    out_dir: str = Field("runs/treegrpo", description="Where metrics, checkpoints and rollouts go.")
+    out_dir: str = Field("runs/tree", description="Where metrics, checkpoints and rollouts go (default: runs/<sampler>).")
     resume: bool = Field(False, description="Resume from out_dir/checkpoint if it exists.")
     seed: int = Field(0, description="Seed of the run (prompt order, tree picks, sampling).")
     device: str = Field("cpu", description="torch device.")

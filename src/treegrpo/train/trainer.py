@@ -20,16 +20,16 @@ import torch
 from rich.console import Console
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
-from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.algos.losses import LossConfig
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.hf_engine import HFEngine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
-from treegrpo.train.batching import TrainSequence, collate, forest_sequences, micro_batches, token_logprobs
 from treegrpo.train.checkpoint import find_checkpoint, load_state, save_checkpoint
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.metrics import MetricsLogger
 from treegrpo.train.setup import RunParts, build_run
+from treegrpo.train.update import update
 from treegrpo.tree import write_forests
 
 EVAL_SEED = 12345  # evaluation draws from its own stream, never from the training RNG
@@ -147,19 +147,29 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
             t1 = time.perf_counter()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = [token_advantages(f, estimator, adv_cfg) for f in result.forests]
-            seqs = forest_sequences(result.forests, advs)
-            # 3. policy update
-            metrics = update(model, ref_model, optimizer, seqs, cfg, loss_cfg, tok.pad_token_id)
+            n_traj = sum(f.n_trajectories() for f in result.forests)
+            # 3. policy update: packed (each shared token once) or per path, see train/update.py
+            metrics = update(
+                model,
+                ref_model,
+                optimizer,
+                result.forests,
+                advs,
+                cfg,
+                loss_cfg,
+                tok.pad_token_id,
+                console.print,
+            )
             t2 = time.perf_counter()
             times["rollout_s"] += t1 - t0
             times["update_s"] += t2 - t1
             # 4. bookkeeping: metrics, evaluation, rollouts, checkpoint
             budget = result.total()
-            totals["trajectories"] += len(seqs)
+            totals["trajectories"] += n_traj
             totals["generated_tokens"] += budget.generated_tokens
             totals["prefill_tokens"] += budget.prefill_tokens
             totals["tool_calls"] += budget.tool_calls
-            metrics.update(rollout_metrics(result, len(seqs)))
+            metrics.update(rollout_metrics(result, n_traj))
             metrics.update({f"budget/total_{k}": v for k, v in totals.items()})
             metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
             if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
@@ -203,91 +213,6 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
     )
     (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1))
     return summary
-
-
-# -- the update ------------------------------------------------------------------------------------
-
-
-def update(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    seqs: Sequence[TrainSequence],
-    cfg: TrainConfig,
-    loss_cfg: LossConfig,
-    pad_id: int,
-) -> dict[str, float]:
-    """PPO-clip over ``cfg.mini_batches`` optimizer steps; each mini-batch's loss is accumulated
-    over token-capped micro-batches, each weighted by its share of the mini-batch (tokens for
-    ``token-mean``, sequences for the ``seq-mean`` modes) so the sum equals the whole-batch loss."""
-    model.train()
-    order = list(range(len(seqs)))
-    minis = [order[i :: cfg.mini_batches] for i in range(cfg.mini_batches)]
-    # Old log-probs: with one optimizer step per batch the policy has not moved, so the ratio is 1
-    # and old = current (detached); otherwise they are recomputed before any step.
-    old = None if cfg.mini_batches == 1 else _precompute_logprobs(model, seqs, cfg, pad_id)
-    ref = _precompute_logprobs(ref_model, seqs, cfg, pad_id) if ref_model is not None else None
-    sums: dict[str, float] = {}
-    for mini in minis:
-        mini_seqs = [seqs[i] for i in mini]
-        total_tokens = sum(sum(s.policy_mask) for s in mini_seqs)
-        optimizer.zero_grad(set_to_none=True)
-        for local in micro_batches([len(s.tokens) for s in mini_seqs], cfg.micro_batch_tokens):
-            ids = [mini[j] for j in local]
-            mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-            lp, ent = token_logprobs(model, mb, with_entropy=True)
-            loss, m = compute_loss(
-                lp,
-                _gather(old, ids, lp),
-                _gather(ref, ids, lp),
-                mb.advantages_B_T,
-                mb.policy_mask_B_T,
-                ent if loss_cfg.entropy_coef > 0 else None,
-                loss_cfg,
-            )
-            if loss_cfg.agg_mode == "token-mean":
-                share = float(mb.policy_mask_B_T.sum()) / max(1, total_tokens)
-            else:
-                share = len(ids) / len(mini_seqs)
-            (loss * share).backward()
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share / len(minis)
-            with torch.no_grad():
-                pm = mb.policy_mask_B_T
-                sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float((ent * pm).sum()) / max(
-                    1, total_tokens
-                ) / len(minis)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / len(minis)
-    model.eval()
-    return sums
-
-
-def _gather(table: dict[int, torch.Tensor] | None, ids: list[int], like: torch.Tensor) -> torch.Tensor | None:
-    if table is None:
-        return None
-    out = torch.zeros_like(like)
-    for row, i in enumerate(ids):
-        v = table[i]
-        out[row, : v.shape[0]] = v
-    return out
-
-
-@torch.no_grad()
-def _precompute_logprobs(
-    model: torch.nn.Module, seqs: Sequence[TrainSequence], cfg: TrainConfig, pad_id: int
-) -> dict[int, torch.Tensor]:
-    was_training = model.training
-    model.eval()
-    out: dict[int, torch.Tensor] = {}
-    for ids in micro_batches([len(s.tokens) for s in seqs], cfg.micro_batch_tokens):
-        mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-        lp, _ = token_logprobs(model, mb)
-        for row, i in enumerate(ids):
-            out[i] = lp[row, : len(seqs[i].tokens)]
-    model.train(was_training)
-    return out
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

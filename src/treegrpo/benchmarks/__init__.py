@@ -1,0 +1,1 @@
+"""Reproducible measurements (``treegrpo bench ...``); results go to ``benchmarks/results/``."""

@@ -1,0 +1,177 @@
+"""Question files: Search-R1 / verl parquet and plain JSONL, read into :class:`~treegrpo.envs.base.Task`.
+
+Parquet (the schema Search-R1's ``scripts/data_process/*.py`` writes and verl reads)::
+
+    data_source   str                      e.g. "nq", "hotpotqa"
+    prompt        list of {"role", "content"} chat messages; the user message ends with
+                  "Question: {question}\\n" (Search-R1's instruction prefix comes before it)
+    ability       str                      e.g. "fact-reasoning"
+    reward_model  {"style": "rule", "ground_truth": {"target": [gold answers]}}
+    extra_info    {"split": str, "index": int}
+
+The question is taken from the last user message: the text after its last ``Question:`` marker,
+or the whole message when there is none (a prompt that is just the question). A top-level
+``question`` column (Search-R1 keeps the source dataset's columns) is used when there is no
+``prompt``. The task id is ``{data_source}-{extra_info.index}`` (row number without an index).
+
+JSONL: one object per line, ``{"id", "question", "answers": [...]}``; ``answers`` may be a single
+string, and Search-R1's raw ``golden_answers`` is accepted in its place.
+
+Any problem raises :class:`DataError` (a :class:`~treegrpo.train.config.ConfigError`, shown by the
+CLI as one line) naming the file, the row (1-based) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from treegrpo.envs.base import Task
+from treegrpo.train.config import ConfigError
+
+QUESTION_MARKER = "Question:"
+
+
+class DataError(ConfigError):
+    """A question file that cannot be read; the message names the file, row and field."""
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Read a Search-R1/verl parquet file or a JSONL file of ``{id, question, answers}``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file (expected Search-R1 parquet or JSONL {{id, question, answers}})")
+    tasks = list(_parquet_tasks(p)) if _is_parquet(p) else list(_jsonl_tasks(p))
+    if not tasks:
+        raise DataError(f"{p}: holds no questions")
+    return _unique_ids(tasks)
+
+
+def _is_parquet(p: Path) -> bool:
+    if p.suffix.lower() in (".parquet", ".pq"):
+        return True
+    if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        return False
+    with p.open("rb") as fh:
+        return fh.read(4) == b"PAR1"
+
+
+def extract_question(messages: Any, where: str) -> str:
+    """The question inside Search-R1 chat messages (or a plain prompt string)."""
+    if isinstance(messages, str):
+        content = messages
+    else:
+        if not isinstance(messages, list | tuple) or not messages:
+            raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
+        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        msg = users[-1] if users else messages[-1]
+        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str):
+            raise DataError(f"{where}: field 'prompt' messages must be objects with a 'content' string")
+        content = msg["content"]
+    _head, marker, tail = content.rpartition(QUESTION_MARKER)
+    question = (tail if marker else content).strip()
+    if not question:
+        raise DataError(f"{where}: field 'prompt' holds no question text")
+    return question
+
+
+def _answers(value: Any, where: str, field: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not value:
+        raise DataError(f"{where}: field '{field}' must be a non-empty list of answer strings")
+    out = []
+    for a in value:
+        if isinstance(a, bool) or not isinstance(a, str | int | float):
+            raise DataError(f"{where}: field '{field}' must hold strings, got {type(a).__name__}")
+        if str(a).strip():
+            out.append(str(a).strip())
+    if not out:
+        raise DataError(f"{where}: field '{field}' holds only empty answers")
+    return out
+
+
+def _parquet_tasks(p: Path) -> Iterable[Task]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except Exception as e:
+        raise DataError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    cols = set(table.column_names)
+    if "reward_model" not in cols:
+        raise DataError(f"{p}: missing column 'reward_model' (Search-R1 schema: reward_model.ground_truth.target)")
+    if "prompt" not in cols and "question" not in cols:
+        raise DataError(f"{p}: missing column 'prompt' (chat messages holding the question)")
+    for i, row in enumerate(table.to_pylist(), 1):
+        where = f"{p}: row {i}"
+        rm = row.get("reward_model")
+        gt = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if isinstance(gt, dict):
+            target = gt.get("target")
+        elif gt is not None:  # some converters store the answers directly
+            target = gt
+        else:
+            raise DataError(f"{where}: field 'reward_model.ground_truth' is missing")
+        answers = _answers(target, where, "reward_model.ground_truth.target")
+        if row.get("prompt") is not None:
+            question = extract_question(row["prompt"], where)
+        elif isinstance(row.get("question"), str) and row["question"].strip():
+            question = row["question"].strip()
+        else:
+            raise DataError(f"{where}: field 'prompt' is missing")
+        source = str(row.get("data_source") or "")
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        index = extra.get("index") if extra else None
+        tid = f"{source or p.stem}-{index if index is not None else i - 1}"
+        meta: dict[str, Any] = {"row": i}
+        for key in ("ability", "extra_info"):
+            if row.get(key) is not None:
+                meta[key] = row[key]
+        if row.get("prompt") is not None:
+            meta["prompt"] = row["prompt"]
+        yield Task(tid, question, answers, data_source=source, meta=meta)
+
+
+def _jsonl_tasks(p: Path) -> Iterable[Task]:
+    with p.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{p}: row {i}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: each line must be a JSON object {{id, question, answers}}")
+            q = row.get("question")
+            if not isinstance(q, str) or not q.strip():
+                raise DataError(f"{where}: field 'question' must be a non-empty string")
+            if "answers" in row:
+                answers = _answers(row["answers"], where, "answers")
+            elif "golden_answers" in row:
+                answers = _answers(row["golden_answers"], where, "golden_answers")
+            else:
+                raise DataError(f"{where}: field 'answers' is missing (a list of gold answers)")
+            tid = row.get("id")
+            meta = {k: v for k, v in row.items() if k not in ("id", "question", "answers", "golden_answers", "data_source")}
+            yield Task(
+                str(tid) if tid is not None else f"{p.stem}-{i - 1}",
+                q.strip(),
+                answers,
+                data_source=str(row.get("data_source") or ""),
+                meta={"row": i, **meta},
+            )
+
+
+def _unique_ids(tasks: list[Task]) -> list[Task]:
+    """Task ids become forest ``prompt_id``s: make repeats unique by suffixing the row."""
+    seen: set[str] = set()
+    for t in tasks:
+        if t.id in seen:
+            t.id = f"{t.id}#{t.meta.get('row', len(seen))}"
+        seen.add(t.id)
+    return tasks

@@ -1,0 +1,587 @@
+"""Bootstrap the tiny starting policy: imperfect demonstrations, a tokenizer, a small Qwen2, and a
+supervised warm-up, measured through the real agent loop.
+
+The warm-up teaches the *protocol* (``<search> name </search>``, copy the entity a passage names
+into the next query or the answer) from demonstrations on the world's ``warmup`` split that are
+deliberately imperfect, so the starting policy solves some questions but far from all, and the
+failure is a *choice* RL can fix:
+
+- ``p_guess``: answer at once, without searching, with a random entity of the right type;
+- ``p_shortcut``: on a multi-hop question, answer with the bridge entity just found instead of
+  searching it (per intermediate hop) — "answering too early";
+- ``p_bad_query``: search a wrong entity of the right type (a copy slip), then follow that one.
+
+Demonstrations are encoded exactly as the agent loop builds a context
+(:meth:`~treegrpo.rollout.agent.StepRunner.prompt_ids`, then per step the step's ids — loss on —
+and the observation's ids from the real :class:`~treegrpo.envs.search.SearchEnv`, truncated to
+``max_obs_tokens`` — loss off), so the policy is trained on the very token sequences it will see.
+
+The folder is written atomically (built in a temp folder beside it, then renamed) with
+:func:`~treegrpo.models.tiny.save_tiny`; its ``treegrpo_tiny.json`` records the world, the env and
+agent settings, the demo statistics, the final SFT loss and the measured warm-up success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treegrpo.envs.base import Task
+from treegrpo.envs.search import SearchEnv
+from treegrpo.envs.world import RELATIONS, SPLITS, World, WorldConfig, build_world, get_preset
+from treegrpo.io import user_cache_dir
+from treegrpo.models.tiny import (
+    MARKER_FILE,
+    build_model,
+    load_model,
+    load_tokenizer,
+    save_tiny,
+    tiny_info,
+    train_tokenizer,
+    wrap_tokenizer,
+)
+from treegrpo.rollout.agent import AgentConfig, StepRunner
+
+BOOTSTRAP_VERSION = 1  # bump when the recipe changes, so cached folders are rebuilt
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """Everything that determines a bootstrapped starting policy.
+
+    Attributes:
+        preset: world preset name (:data:`treegrpo.envs.world.PRESETS`).
+        world: explicit world config; overrides ``preset`` when given.
+        seed: model init, demo imperfections, SFT order and evaluation sampling.
+        topk: passages per search in the env (the RL run must use the same).
+        prompt_template: the env's prompt template (``minimal``: few prompt tokens).
+        max_turns / max_step_tokens / max_obs_tokens / max_context_tokens: the agent loop limits
+            (:class:`~treegrpo.rollout.agent.AgentConfig`) demos are encoded with and evaluation uses.
+        p_guess: a demo answers without searching (a random entity of the answer's type).
+        p_shortcut: per intermediate hop, a multi-hop demo answers with the bridge entity it just found.
+        p_bad_query: per search, a demo searches a wrong entity of the right type and follows it.
+        demos_per_question: demonstrations drawn per warm-up question (independent imperfections).
+        aux_worlds: extra worlds (same shape, other seeds: fresh names, relations and passages) whose
+            every question also gets a demo. They never touch the target world's train/eval
+            questions; they make the warm-up learn *copying* names rather than memorizing them.
+        vocab_size: BPE vocabulary size of the tokenizer.
+        hidden_size / layers / heads / kv_heads / intermediate_size / max_positions: the Qwen2 shape.
+        epochs: passes over the demonstrations.
+        batch_size: demonstrations per optimizer step (length-bucketed, right-padded).
+        lr / weight_decay / warmup_frac / grad_clip: AdamW with linear warm-up, cosine decay.
+        n_eval: eval questions used to measure the warm-up (``None`` = the whole eval split).
+        eval_batch_size: contexts per engine forward batch while measuring.
+    """
+
+    preset: str = "default"
+    world: WorldConfig | None = None
+    seed: int = 0
+    topk: int = 3
+    prompt_template: str = "minimal"
+    max_turns: int = 4
+    max_step_tokens: int = 24
+    max_obs_tokens: int = 160
+    max_context_tokens: int = 512
+    p_guess: float = 0.25
+    p_shortcut: float = 0.55
+    p_bad_query: float = 0.08
+    demos_per_question: int = 1
+    aux_worlds: int = 4
+    vocab_size: int = 1024
+    hidden_size: int = 96
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 256
+    max_positions: int = 512
+    epochs: int = 8
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.05
+    grad_clip: float = 1.0
+    n_eval: int | None = None
+    eval_batch_size: int | None = None
+
+    def world_config(self) -> WorldConfig:
+        """The world this bootstrap uses."""
+        return self.world if self.world is not None else get_preset(self.preset)
+
+    def agent_config(self, temperature: float = 1.0) -> AgentConfig:
+        """The agent loop settings demos are encoded with (and evaluation runs with)."""
+        return AgentConfig(
+            max_turns=self.max_turns,
+            max_step_tokens=self.max_step_tokens,
+            max_obs_tokens=self.max_obs_tokens,
+            max_context_tokens=self.max_context_tokens,
+            temperature=temperature,
+            use_chat_template=False,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["world"] = self.world_config().to_dict()
+        return d
+
+    def config_hash(self) -> str:
+        """A short hash of everything that determines the result (and the recipe version)."""
+        blob = json.dumps({"v": BOOTSTRAP_VERSION, **self.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- demonstrations
+
+
+@dataclass
+class Demo:
+    """One demonstration: a task and its steps (policy text, then observation text or ``None``)."""
+
+    task: Task
+    steps: list[tuple[str, str | None]]
+    kind: str  # "correct" | "guess" | "shortcut" | "bad_query"
+    reward: float = 0.0
+
+
+@dataclass
+class EncodedDemo:
+    """A demo as the agent loop would hold it: ids and the policy mask (1 = trained on)."""
+
+    ids: list[int]
+    policy_mask: list[int]
+
+
+def make_env(world: World, topk: int = 3, prompt_template: str = "minimal") -> SearchEnv:
+    """The world's search environment (BM25 over the world's passages)."""
+    return SearchEnv(world.retriever, topk=topk, prompt_template=prompt_template)
+
+
+def search_text(query: str) -> str:
+    """A search step, Search-R1 style."""
+    return f"<search> {query} </search>"
+
+
+def answer_text(answer: str) -> str:
+    """An answer step, Search-R1 style."""
+    return f"<answer> {answer} </answer>"
+
+
+def make_demos(world: World, env: SearchEnv, tasks: Sequence[Task], cfg: BootstrapConfig, rng: random.Random) -> list[Demo]:
+    """Imperfect demonstrations for ``tasks``, observations from the real ``env``.
+
+    Each demo walks the task's relation chain: search the current entity, read the relation's
+    object off that entity's passage, then search it — or, with the configured probabilities,
+    guess without searching, answer early with the bridge entity, or search a wrong entity.
+    """
+    by_type: dict[str, list[str]] = {}
+    for name, e in world.entities.items():
+        by_type.setdefault(e.type, []).append(name)
+    demos: list[Demo] = []
+    for task in tasks:
+        for _ in range(cfg.demos_per_question):
+            rels: list[str] = task.meta["relations"]
+            if rng.random() < cfg.p_guess:
+                guess = rng.choice(by_type[RELATIONS[rels[-1]][1]])
+                demos.append(Demo(task, [(answer_text(guess), None)], "guess"))
+                continue
+            steps: list[tuple[str, str | None]] = []
+            kind = "correct"
+            current = task.meta["start"]
+            for k, rel in enumerate(rels):
+                query = current
+                if rng.random() < cfg.p_bad_query:
+                    others = [n for n in by_type[world.entities[current].type] if n != current]
+                    query, kind = rng.choice(others), "bad_query"
+                step = search_text(query)
+                (out,) = env.step([task], [step], [True])
+                steps.append((step, out.observation))
+                current = world.entities[query].relations[rel]
+                if k < len(rels) - 1 and rng.random() < cfg.p_shortcut:
+                    kind = "shortcut" if kind == "correct" else kind
+                    break
+            steps.append((answer_text(current), None))
+            demos.append(Demo(task, steps, kind))
+    for d in demos:
+        (out,) = env.step([d.task], [d.steps[-1][0]], [False])
+        d.reward = float(out.reward or 0.0)
+    return demos
+
+
+def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
+    """Token ids and policy mask of ``demo``, built exactly as the agent loop builds a context."""
+    tok = runner.tokenizer
+    ids = list(runner.prompt_ids(demo.task))
+    mask = [0] * len(ids)
+    for step, obs in demo.steps:
+        s = list(tok.encode(step, add_special_tokens=False))
+        ids += s
+        mask += [1] * len(s)
+        if obs is not None:
+            o = list(tok.encode(obs, add_special_tokens=False))[: runner.cfg.max_obs_tokens]
+            ids += o
+            mask += [0] * len(o)
+    return EncodedDemo(ids, mask)
+
+
+def demo_texts(demos: Sequence[Demo], env: SearchEnv) -> list[str]:
+    """Full demo transcripts (prompt, steps, observations), for tokenizer training."""
+    return [env.prompt(d.task) + "".join(s + (o or "") for s, o in d.steps) for d in demos]
+
+
+def aux_worlds(cfg: BootstrapConfig) -> list[World]:
+    """The auxiliary demo worlds of ``cfg``: the target world's shape with other seeds."""
+    base = cfg.world_config()
+    return [build_world(replace(base, seed=base.seed + 1_000_003 * (i + 1))) for i in range(cfg.aux_worlds)]
+
+
+# --------------------------------------------------------------------------- supervised warm-up
+
+
+def _batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Length-bucketed batches (little padding), in a shuffled order."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(encoded: Sequence[EncodedDemo], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(e.ids) for e in encoded)
+    n = len(encoded)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    att = torch.zeros((n, width), dtype=torch.long)
+    lab = torch.full((n, width), -100, dtype=torch.long)
+    for r, e in enumerate(encoded):
+        t = torch.tensor(e.ids, dtype=torch.long)
+        ids[r, : len(e.ids)] = t
+        att[r, : len(e.ids)] = 1
+        m = torch.tensor(e.policy_mask, dtype=torch.bool)
+        lab[r, : len(e.ids)] = torch.where(m, t, torch.full_like(t, -100))
+    pos = torch.arange(width).unsqueeze(0).expand(n, width)
+    return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "labels": lab}
+
+
+def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over policy tokens only (labels are -100 elsewhere)."""
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def supervised_warmup(
+    model: torch.nn.Module,
+    encoded: Sequence[EncodedDemo],
+    cfg: BootstrapConfig,
+    pad_id: int,
+    rng: random.Random,
+    progress: Any = None,
+) -> dict[str, float]:
+    """AdamW on the demos' policy tokens; returns loss statistics."""
+    lengths = [len(e.ids) for e in encoded]
+    plan = [b for _ in range(cfg.epochs) for b in _batches(lengths, cfg.batch_size, rng)]
+    total = len(plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warm = max(1, int(cfg.warmup_frac * total))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    model.train()
+    ema: float | None = None
+    last_epoch: list[float] = []
+    per_epoch = max(1, total // max(1, cfg.epochs))
+    task_id = progress.add_task("warm-up (SFT)", total=total) if progress is not None else None
+    for step, idx in enumerate(plan):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = policy_token_loss(model, _collate([encoded[i] for i in idx], pad_id))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        val = float(loss)
+        ema = val if ema is None else 0.95 * ema + 0.05 * val
+        if step >= total - per_epoch:
+            last_epoch.append(val)
+        if progress is not None:
+            progress.update(task_id, advance=1, description=f"warm-up (SFT) loss {ema:.3f}")
+    model.eval()
+    return {
+        "final_loss": sum(last_epoch) / max(1, len(last_epoch)),
+        "final_loss_ema": float(ema or 0.0),
+        "steps": total,
+    }
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_policy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    env: SearchEnv,
+    tasks: Sequence[Task],
+    agent_cfg: AgentConfig,
+    seed: int = 0,
+    max_batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Success and search behaviour of ``model`` on ``tasks`` through the real agent loop
+    (:class:`~treegrpo.rollout.hf_engine.HFEngine` + the ``chain`` sampler, one chain per task).
+
+    Returns ``success`` (mean reward), ``success_by_hops``, ``tool_calls`` (mean per trajectory),
+    ``answer_after_one_search`` (fraction of trajectories that answered after exactly one search),
+    ``early_answer`` (fraction of multi-hop trajectories that answered with fewer searches than
+    hops), ``no_search_answer`` (answered without searching), ``invalid_actions`` and
+    ``generated_tokens`` (means per trajectory) and ``wall_s``.
+    """
+    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.samplers import SamplerConfig, sample_chains
+
+    engine = HFEngine(model, tokenizer, max_batch_size=max_batch_size)
+    runner = StepRunner(engine, env, tokenizer, agent_cfg)
+    gen = torch.Generator().manual_seed(seed)
+    res = sample_chains(runner, list(tasks), SamplerConfig(name="chain", group_size=1), random.Random(seed), gen)
+    n = len(tasks)
+    rewards: list[float] = []
+    by_hops: dict[int, list[float]] = {}
+    one_search = early = multi = no_search = 0
+    for task, forest, budget in zip(tasks, res.forests, res.budgets, strict=True):
+        ((_, leaf),) = forest.leaves()
+        r = float(leaf.reward or 0.0)
+        rewards.append(r)
+        hops = int(task.meta.get("hops", 1))
+        by_hops.setdefault(hops, []).append(r)
+        answered = leaf.extra.get("kind") == "answer"
+        one_search += int(answered and budget.tool_calls == 1)
+        no_search += int(answered and budget.tool_calls == 0)
+        if hops > 1:
+            multi += 1
+            early += int(answered and budget.tool_calls < hops)
+    total = res.total()
+    return {
+        "success": sum(rewards) / max(1, n),
+        "success_by_hops": {str(h): sum(v) / len(v) for h, v in sorted(by_hops.items())},
+        "tool_calls": total.tool_calls / max(1, n),
+        "answer_after_one_search": one_search / max(1, n),
+        "early_answer": early / max(1, multi),
+        "no_search_answer": no_search / max(1, n),
+        "invalid_actions": total.invalid_actions / max(1, n),
+        "generated_tokens": total.generated_tokens / max(1, n),
+        "n": n,
+        "wall_s": res.wall_s,
+    }
+
+
+# --------------------------------------------------------------------------- the whole bootstrap
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False
+    ) as p:
+        yield p
+
+
+def _phase(progress: Any, text: str) -> None:
+    if progress is not None:
+        progress.console.print(f"[bold]bootstrap[/bold] {text}")
+
+
+def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: bool = True) -> Path:
+    """Build the tiny starting policy into ``folder`` (replacing it) and return the folder.
+
+    Steps: build the world; draw imperfect demos on its ``warmup`` split through the real env;
+    train a tokenizer on the world's texts and the demos; build a small Qwen2; warm it up on the
+    demos' policy tokens; measure it on the ``eval`` split (sampled at temperature 1 and greedy)
+    through the agent loop; save with :func:`~treegrpo.models.tiny.save_tiny`. The folder appears
+    atomically: it is built in a temp folder beside ``folder`` and renamed into place.
+    """
+    cfg = cfg or BootstrapConfig()
+    folder = Path(folder)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    rng = random.Random(f"treegrpo-bootstrap-{cfg.seed}")
+    with _progress(progress) as prog:
+        t = time.perf_counter()
+        world_cfg = cfg.world_config()
+        world = build_world(world_cfg)
+        env = make_env(world, cfg.topk, cfg.prompt_template)
+        demos = make_demos(world, env, world.tasks("warmup"), cfg, rng)
+        for w in aux_worlds(cfg):
+            aux_env = make_env(w, cfg.topk, cfg.prompt_template)
+            demos += make_demos(w, aux_env, [t for s in SPLITS for t in w.tasks(s)], cfg, rng)
+        timings["world_and_demos_s"] = time.perf_counter() - t
+        _phase(prog, f"world {world.stats['passages']} passages; {len(demos)} demos")
+
+        t = time.perf_counter()
+        tok = wrap_tokenizer(train_tokenizer([*world.texts(), *demo_texts(demos, env)], vocab_size=cfg.vocab_size))
+        runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
+        encoded = [encode_demo(runner, d) for d in demos]
+        timings["tokenizer_s"] = time.perf_counter() - t
+
+        model = build_model(
+            vocab_size=len(tok),
+            hidden_size=cfg.hidden_size,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            intermediate_size=cfg.intermediate_size,
+            max_positions=cfg.max_positions,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            seed=cfg.seed,
+        )
+        n_params = sum(p.numel() for p in model.parameters())
+        _phase(prog, f"tokenizer vocab {len(tok)}; model {n_params / 1e6:.2f}M params")
+
+        t = time.perf_counter()
+        sft = supervised_warmup(model, encoded, cfg, tok.pad_token_id, rng, prog)
+        timings["sft_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        eval_tasks = world.tasks("eval")[: cfg.n_eval] if cfg.n_eval is not None else world.tasks("eval")
+        sampled = measure_policy(model, tok, env, eval_tasks, cfg.agent_config(1.0), cfg.seed, cfg.eval_batch_size)
+        greedy = measure_policy(model, tok, env, eval_tasks, cfg.agent_config(0.0), cfg.seed, cfg.eval_batch_size)
+        timings["eval_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t0
+
+        kinds: dict[str, int] = {}
+        for d in demos:
+            kinds[d.kind] = kinds.get(d.kind, 0) + 1
+        info = {
+            "bootstrap_version": BOOTSTRAP_VERSION,
+            "preset": cfg.preset if cfg.world is None else None,
+            "world": world_cfg.to_dict(),
+            "world_stats": world.stats,
+            "seed": cfg.seed,
+            "config": cfg.to_dict(),
+            "config_hash": cfg.config_hash(),
+            "env": {"topk": cfg.topk, "prompt_template": cfg.prompt_template, "metric": env.metric},
+            "agent": asdict(cfg.agent_config()),
+            "params": n_params,
+            "demos": {
+                "n": len(demos),
+                "kinds": kinds,
+                "success": sum(d.reward for d in demos) / max(1, len(demos)),
+                "mean_tokens": sum(len(e.ids) for e in encoded) / max(1, len(encoded)),
+                "mean_policy_tokens": sum(sum(e.policy_mask) for e in encoded) / max(1, len(encoded)),
+            },
+            "sft": sft,
+            "warmup_eval": {"sampled": sampled, "greedy": greedy},
+            "timings": timings,
+        }
+        _write_atomically(folder, lambda tmp: save_tiny(model, tok, tmp, info))
+        _phase(prog, f"saved to {folder} in {timings['total_s']:.0f}s")
+    return folder
+
+
+def _write_atomically(folder: Path, write: Any) -> None:
+    """Build into a temp folder beside ``folder``, then rename it into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        write(tmp)
+        old = None
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
+    """Where the bootstrapped model of ``cfg`` is cached:
+    ``user_cache_dir()/models/<preset>-<config hash>``."""
+    cfg = cfg or BootstrapConfig()
+    name = cfg.preset if cfg.world is None else "custom"
+    return user_cache_dir() / "models" / f"{name}-{cfg.config_hash()}"
+
+
+def is_bootstrapped(folder: str | Path) -> bool:
+    """``folder`` holds a complete bootstrapped model (written last, atomically)."""
+    folder = Path(folder)
+    return (folder / MARKER_FILE).is_file() and "warmup_eval" in tiny_info(folder)
+
+
+def ensure_bootstrapped(
+    preset: str = "default", cfg: BootstrapConfig | None = None, progress: bool = True, force: bool = False
+) -> Path:
+    """The cached bootstrapped model folder for ``preset`` (or ``cfg``), building it only if it is
+    not there yet (or ``force``)."""
+    cfg = cfg or BootstrapConfig(preset=preset)
+    folder = default_model_dir(cfg)
+    if force or not is_bootstrapped(folder):
+        bootstrap(folder, cfg, progress=progress)
+    return folder
+
+
+@dataclass
+class BootstrapSetup:
+    """What an RL run needs to continue from a bootstrapped folder, rebuilt from its record."""
+
+    folder: Path
+    info: dict[str, Any]
+    world: World
+    env: SearchEnv
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+def load_setup(folder: str | Path) -> BootstrapSetup:
+    """The world, env and agent settings a bootstrapped ``folder`` was trained and measured with."""
+    folder = Path(folder)
+    info = tiny_info(folder)
+    if "world" not in info:
+        raise ValueError(f"{folder} is not a bootstrapped model folder (no world recorded in {MARKER_FILE})")
+    world = build_world(WorldConfig.from_dict(info["world"]))
+    env = make_env(world, info["env"]["topk"], info["env"]["prompt_template"])
+    return BootstrapSetup(folder, info, world, env, replace(AgentConfig(), **info["agent"]))
+
+
+__all__ = [
+    "BootstrapConfig",
+    "BootstrapSetup",
+    "Demo",
+    "EncodedDemo",
+    "bootstrap",
+    "default_model_dir",
+    "demo_texts",
+    "encode_demo",
+    "ensure_bootstrapped",
+    "is_bootstrapped",
+    "load_model",
+    "load_setup",
+    "load_tokenizer",
+    "make_demos",
+    "make_env",
+    "measure_policy",
+    "supervised_warmup",
+]

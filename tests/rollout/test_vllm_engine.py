@@ -1,0 +1,393 @@
+"""VLLMEngine: request building, output parsing and weight sync against stand-ins of vLLM's
+interface (CPU), plus an end-to-end check on a real GPU with vLLM (marked ``gpu``, skipped here)."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from treegrpo.models.tiny import load_model, load_tokenizer
+from treegrpo.rollout.engine import Engine, SamplingParams
+from treegrpo.rollout.vllm_engine import INSTALL_HINT, VLLMEngine, vllm_available
+
+# ---------------------------------------------------------------------------------- stand-ins
+
+
+class FakeSamplingParams:
+    """Records the keyword arguments vLLM's ``SamplingParams`` would get."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.kwargs[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def fake_vllm() -> types.ModuleType:
+    mod = types.ModuleType("fake_vllm")
+    mod.SamplingParams = FakeSamplingParams
+    mod.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    return mod
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    index: int = 0
+    text: str = ""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int | None = None
+    finished: bool = True
+
+
+def completion(tokens: list[int], finish: str, stop_reason=None, lp: float = -0.25) -> CompletionOutput:
+    # like vLLM with logprobs=0: one dict per position holding (at least) the sampled token
+    return CompletionOutput(
+        tokens, [{t: Logprob(lp * (i + 1), 1)} for i, t in enumerate(tokens)], finish, stop_reason
+    )
+
+
+class FakeModel:
+    """A worker's model: records what ``load_weights`` receives (vLLM's signature)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[list[tuple[str, torch.Tensor]]] = []
+
+    def load_weights(self, weights):
+        batch = list(weights)
+        self.loaded.append(batch)
+        return {n for n, _ in batch}
+
+
+@dataclass
+class FakeLLM:
+    """The slice of ``vllm.LLM`` the engine uses, answering with a scripted policy."""
+
+    stop_id: int = 7
+    eos_id: int = 2
+    max_model_len: int = 64
+    model: FakeModel = field(default_factory=FakeModel)
+    calls: list[tuple[list[Any], list[Any]]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len=self.max_model_len)
+        )
+        self.worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=self.model))
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        assert use_tqdm is False
+        self.calls.append((prompts, sampling_params))
+        outs = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+            ids = p["prompt_token_ids"]
+            if ids[-1] % 3 == 0:  # ends with the stop id
+                comp = completion([11, 12, self.stop_id], "stop", self.stop_id)
+            elif ids[-1] % 3 == 1:  # ends with EOS
+                comp = completion([13, self.eos_id], "stop", None)
+            else:  # runs to the cap
+                comp = completion(list(range(20, 20 + sp.max_tokens)), "length")
+            outs.append(RequestOutput(str(i), ids, [comp], num_cached_tokens=(len(ids) // 16) * 16))
+        return outs
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.events.append("rpc")
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self) -> bool:
+        self.events.append("reset")
+        return True
+
+
+@pytest.fixture()
+def llm() -> FakeLLM:
+    return FakeLLM()
+
+
+@pytest.fixture()
+def engine(llm: FakeLLM) -> VLLMEngine:
+    return VLLMEngine(llm, types.SimpleNamespace(eos_token_id=llm.eos_id), vllm_module=fake_vllm())
+
+
+# ---------------------------------------------------------------------------------- import guard
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
+def test_clear_error_without_vllm(tmp_path: Path) -> None:
+    import treegrpo.rollout.vllm_engine as mod  # importing works without vLLM
+
+    assert mod.INSTALL_HINT == "pip install 'treegrpo[vllm]'"
+    with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'"):
+        VLLMEngine(FakeLLM())
+    with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'"):
+        VLLMEngine.from_pretrained(tmp_path)
+    with pytest.raises(ImportError) as err:
+        VLLMEngine(object())
+    assert INSTALL_HINT in str(err.value)
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+def test_requests_are_token_prompts_with_the_stops(engine: VLLMEngine) -> None:
+    params = SamplingParams(
+        max_new_tokens=9, temperature=0.7, top_p=0.9, stop_token_ids=(7, 8), stop_strings=("</answer>",)
+    )
+    prompts, sps = engine.build_requests([[5, 6], [1, 2, 3]], params)
+    assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [1, 2, 3]}]
+    for sp in sps:
+        assert sp.kwargs == {
+            "n": 1,
+            "max_tokens": 9,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "stop_token_ids": [7, 8],
+            "stop": ["</answer>"],
+            "include_stop_str_in_output": True,
+            "logprobs": 0,
+            "seed": None,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+        }
+
+
+def test_seeds_come_from_the_generator(engine: VLLMEngine) -> None:
+    params = SamplingParams(max_new_tokens=4)
+    seeds = lambda g: [sp.seed for sp in engine.build_requests([[1]] * 4, params, g)[1]]  # noqa: E731
+    a, b, c = (
+        seeds(torch.Generator().manual_seed(1)),
+        seeds(torch.Generator().manual_seed(1)),
+        seeds(torch.Generator().manual_seed(2)),
+    )
+    assert a == b != c
+    assert len(set(a)) == 4 and all(isinstance(s, int) and 0 <= s < 2**31 for s in a)
+
+
+# ---------------------------------------------------------------------------------- outputs
+
+
+def test_outputs_become_generations() -> None:
+    out = RequestOutput("0", [1] * 40, [completion([11, 12, 7], "stop", 7)], num_cached_tokens=32)
+    g = VLLMEngine.to_generation(out, 40)
+    assert g.tokens == [11, 12, 7] and g.finish_reason == "stop"
+    assert g.logprobs == [-0.25, -0.5, -0.75]
+    assert g.prefill_tokens == 8 and g.extra == {"cached_tokens": 32.0}
+    # EOS: vLLM says "stop" with no stop_reason
+    assert (
+        VLLMEngine.to_generation(RequestOutput("1", [1], [completion([3, 2], "stop")]), 1).finish_reason
+        == "eos"
+    )
+    # a stop string: stop_reason is the string; the ids end with the token that completed it
+    s = VLLMEngine.to_generation(RequestOutput("2", [1], [completion([4, 5], "stop", "</search>")]), 1)
+    assert s.finish_reason == "stop" and s.tokens == [4, 5]
+    # length cap, and an older vLLM without num_cached_tokens: the whole context is reported
+    g = VLLMEngine.to_generation(RequestOutput("3", [1] * 5, [completion([4, 5], "length")], None), 5)
+    assert g.finish_reason == "length" and g.prefill_tokens == 5 and g.extra == {}
+
+
+def test_logprob_picked_for_the_sampled_token_among_top_k() -> None:
+    comp = CompletionOutput([9], [{4: Logprob(-0.1, 1), 9: Logprob(-2.5, 2)}], "length")
+    assert VLLMEngine.to_generation(RequestOutput("0", [1], [comp]), 1).logprobs == [-2.5]
+
+
+def test_bad_outputs_raise() -> None:
+    with pytest.raises(RuntimeError, match="log-probs"):
+        VLLMEngine.to_generation(RequestOutput("0", [1], [CompletionOutput([3], None, "length")]), 1)
+    with pytest.raises(RuntimeError, match="abort"):
+        VLLMEngine.to_generation(RequestOutput("0", [1], [completion([3], "abort")]), 1)
+    with pytest.raises(RuntimeError, match="no completion"):
+        VLLMEngine.to_generation(RequestOutput("0", [1], []), 1)
+
+
+def test_generate_in_order(engine: VLLMEngine, llm: FakeLLM) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.eos_token_id == llm.eos_id and engine.max_model_len == llm.max_model_len
+    contexts = [[1] * 33 + [3], [4], [5, 5]]  # ends: stop id, EOS, length
+    gens = engine.generate(
+        contexts, SamplingParams(max_new_tokens=4, stop_token_ids=(7,)), torch.Generator().manual_seed(0)
+    )
+    assert len(llm.calls) == 1 and len(llm.calls[0][0]) == 3  # one batched call
+    assert [g.finish_reason for g in gens] == ["stop", "eos", "length"]
+    assert gens[0].tokens == [11, 12, 7] and gens[2].tokens == [20, 21, 22, 23]
+    assert [g.prefill_tokens for g in gens] == [34 - 32, 1, 2]
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_rejects_what_it_cannot_serve(engine: VLLMEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[1], []], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        engine.generate([[1] * 60], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="entropies"):
+        engine.generate([[1]], SamplingParams(return_entropy=True))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1]], SamplingParams(top_p=0.0))
+
+
+# ---------------------------------------------------------------------------------- weight sync
+
+
+def test_weight_sync_pushes_the_state_dict_then_resets_the_prefix_cache(
+    tiny_model_dir: Path, engine: VLLMEngine, llm: FakeLLM
+) -> None:
+    model = load_model(tiny_model_dir)
+    engine.load_weights(model)
+    assert llm.events == ["rpc", "reset"]
+    (loaded,) = llm.model.loaded
+    state = model.state_dict()
+    assert [n for n, _ in loaded] == list(state)
+    for name, t in loaded:
+        assert t is not None and torch.equal(t, state[name])
+        assert not t.requires_grad
+
+
+def test_weight_sync_in_chunks_on_cpu(tiny_model_dir: Path, llm: FakeLLM) -> None:
+    model = load_model(tiny_model_dir)
+    eng = VLLMEngine(
+        llm,
+        types.SimpleNamespace(eos_token_id=2),
+        cpu_weight_sync=True,
+        sync_chunk_mb=0.05,
+        vllm_module=fake_vllm(),
+    )
+    eng.load_weights(model)
+    assert len(llm.model.loaded) > 2
+    assert llm.events == ["rpc"] * len(llm.model.loaded) + ["reset"]
+    flat = [item for chunk in llm.model.loaded for item in chunk]
+    assert [n for n, _ in flat] == list(model.state_dict())
+    assert all(t.device.type == "cpu" for _, t in flat)
+
+
+def test_weight_sync_reaches_a_real_model(tiny_model_dir: Path) -> None:
+    """Plumbing end to end on CPU: a 'worker' whose model loads HF-named weights the way vLLM's
+    models do ends up with exactly the trainer's updated weights."""
+    trainer_model = load_model(tiny_model_dir)
+    served = load_model(tiny_model_dir)
+
+    class Served:
+        def load_weights(self, weights):
+            own = served.state_dict()
+            with torch.no_grad():
+                for name, t in weights:
+                    own[name].copy_(t)
+
+    llm = FakeLLM()
+    llm.worker = types.SimpleNamespace(
+        worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: Served()))
+    )
+    eng = VLLMEngine(llm, load_tokenizer(tiny_model_dir), vllm_module=fake_vllm())
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(0.01)
+    eng.load_weights(trainer_model)
+    for (n1, a), (n2, b) in zip(trainer_model.state_dict().items(), served.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(a, b)
+
+
+def test_weight_sync_without_collective_rpc(tiny_model_dir: Path) -> None:
+    """vLLM V0: the driver worker's model is reached directly."""
+    model_v0 = FakeModel()
+
+    class V0LLM:
+        llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len=32),
+            model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_v0))
+            ),
+        )
+
+    eng = VLLMEngine(V0LLM(), types.SimpleNamespace(eos_token_id=2), vllm_module=fake_vllm())
+    eng.load_weights(load_model(tiny_model_dir))
+    assert len(model_v0.loaded) == 1 and eng.max_model_len == 32
+
+
+# ---------------------------------------------------------------------------------- real vLLM on GPU
+
+TEXT = "Question: what is the capital of france? <think> I should search. </think><search> capital of france"
+
+
+def _gpu_model_folder(tmp_path: Path) -> Path:  # pragma: no cover - GPU only
+    """A tiny Qwen2 with head_dim 64 (vLLM's attention kernels need a supported head size)."""
+    from conftest import synthetic_lines
+    from treegrpo.models.tiny import build_model, save_tiny, train_tokenizer, wrap_tokenizer
+
+    tok = wrap_tokenizer(train_tokenizer(synthetic_lines(), vocab_size=512))
+    model = build_model(
+        vocab_size=len(tok),
+        hidden_size=128,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        intermediate_size=256,
+        max_positions=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        seed=0,
+    )
+    return save_tiny(model, tok, tmp_path / "gpu_tiny")
+
+
+def _reference_logprobs(model: torch.nn.Module, ctx: list[int], gen: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ctx + gen], device="cuda")).logits[0].float().cpu()
+    logp = torch.log_softmax(logits[len(ctx) - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(gen)[:, None]).squeeze(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and vllm_available()), reason="needs a CUDA GPU and vLLM")
+def test_real_vllm_engine(tmp_path: Path) -> None:  # pragma: no cover - GPU only
+    folder = _gpu_model_folder(tmp_path)
+    tok = load_tokenizer(folder)
+    eng = VLLMEngine.from_pretrained(
+        folder, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512, enforce_eager=True
+    )
+    hf = load_model(folder).cuda().eval()
+    prompt = tok.encode(TEXT)
+    stop = tok.convert_tokens_to_ids("</search>")
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=(stop,))
+    gens = eng.generate([prompt] * 4, params, torch.Generator().manual_seed(0))
+    for g in gens:
+        assert 1 <= len(g.tokens) <= 16 and stop not in g.tokens[:-1]
+        assert (g.finish_reason == "stop") == (g.tokens[-1] == stop)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), _reference_logprobs(hf, prompt, g.tokens), atol=2e-3, rtol=0
+        )
+    # The same prompt again: served (at least partly) from vLLM's prefix cache.
+    again = eng.generate([prompt + gens[0].tokens], params, torch.Generator().manual_seed(1))[0]
+    assert again.prefill_tokens < len(prompt) + len(gens[0].tokens)
+    # New weights: pushed, prefix cache dropped, samples follow the new model.
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.5)
+    eng.load_weights(hf)
+    g = eng.generate([prompt], params, torch.Generator().manual_seed(2))[0]
+    assert g.prefill_tokens == len(prompt)
+    torch.testing.assert_close(
+        torch.tensor(g.logprobs), _reference_logprobs(hf, prompt, g.tokens), atol=2e-3, rtol=0
+    )
