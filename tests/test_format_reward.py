@@ -51,7 +51,7 @@ def test_trajectory_text_restores_a_truncated_information_block() -> None:
 
 
 class _Fixed:
-    docs = [Doc("0", "Paris\nParis is the capital of France.")]
+    docs = (Doc("0", "Paris\nParis is the capital of France."),)
 
     def retrieve(self, queries, topk):
         return [[Hit(self.docs[0], 1.0)] for _ in queries]
@@ -87,7 +87,6 @@ def test_plain_metrics_need_no_history_and_reject_unknown() -> None:
 def test_agent_loop_passes_histories(tiny_model_dir) -> None:
     """End to end through StepRunner: a scripted policy that searches, then answers well-formed."""
     from fakes import ScriptedEngine
-
     from treegrpo.models.tiny import load_tokenizer
     from treegrpo.rollout.agent import AgentConfig, Budget, StepRunner
     from treegrpo.rollout.samplers import SamplerConfig, get_sampler

@@ -73,10 +73,13 @@ def train_cmd(
     corpus: str | None = typer.Option(None, help="Search-R1 corpus JSONL or a built-in corpus name (wiki-vital)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
-    sampler: str | None = typer.Option(None, help="tree | chain."),
+    task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic)."),
+    sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
     n: int | None = typer.Option(None, "--n", "--ts-n", help="Tree: expansions per tree per round (N)."),
     l: int | None = typer.Option(None, "--l", "--ts-l", help="Tree: expansion rounds (L)."),
+    t: int | None = typer.Option(None, "--t", help="EPTree: branches per fork point (T)."),
+    fork_score: str | None = typer.Option(None, help="EPTree: logp | entropy | random."),
     group_size: int | None = typer.Option(None, help="Chain: chains per prompt (G)."),
     expand_mode: str | None = typer.Option(None, help="random | nonroot | entropy."),
     advantage: str | None = typer.Option(None, help="Advantage estimator (grpo, tree_grpo, intra_only, inter_only, treerl)."),
@@ -100,6 +103,7 @@ def train_cmd(
         "preset": preset, "sampler": sampler, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
+        "task": task, "t": t, "fork_score": fork_score,
     }  # fmt: skip
     try:
         extra = parse_set(set_)
@@ -219,12 +223,170 @@ def bench_packing_cmd(
     prompts: int = typer.Option(8, help="Training questions rolled out per tree shape."),
     repeats: int = typer.Option(5, help="Timed repeats per variant (median reported)."),
     seed: int = typer.Option(0, help="Rollout seed."),
+    threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
 ) -> None:
     """Per-path vs tree-packed training (tokens, forward+backward time, peak memory, exactness) on
     forests from real rollouts of the default tiny agent: tree (2,2,1) and tree (4,5,1)."""
     from treegrpo.benchmarks.packing import run_bench
 
-    run_bench(out, prompts=prompts, repeats=repeats, seed=seed, log=lambda m: typer.echo(m, err=True))
+    run_bench(out, prompts=prompts, repeats=repeats, seed=seed, threads=threads, log=lambda m: typer.echo(m, err=True))
+
+
+@bench.command("budget")
+def bench_budget_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/budget.json"), help="Results JSON (plot next to it, .png)."),
+    prompts: int = typer.Option(32, help="Training questions rolled out by every configuration."),
+    seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
+    repeats: int = typer.Option(5, help="Timed runs of the timing-critical configurations (median)."),
+    threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
+) -> None:
+    """Chain at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L), random and nonroot
+    picks, prefix reuse on and off, on the default tiny agent: trajectories, generated tokens,
+    prefill tokens, tool calls, wall seconds; the issue's target ratios with pass/fail."""
+    from treegrpo.benchmarks.budget import run_bench
+
+    if prompts < 1 or repeats < 1 or threads < 0:
+        typer.echo("error: --prompts and --repeats must be >= 1, --threads >= 0", err=True)
+        raise typer.Exit(2)
+    run_bench(out, prompts=prompts, seed=seed, repeats=repeats, threads=threads or None)
+
+
+@bench.command("eptree")
+def bench_eptree_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/eptree.json"), help="Results JSON (plot next to it, .png)."),
+    prompts: int = typer.Option(48, help="Training problems rolled out by every sampling method, per seed."),
+    seeds: str = typer.Option("0,1,2", help="Comma-separated sampling seeds (the first also seeds the RL runs)."),
+    rl_steps: int = typer.Option(12, help="Steps of each RL run (0: sampling comparison only)."),
+    rl_prompts_per_step: int = typer.Option(8, help="Prompts per RL step."),
+    rl_lr: float = typer.Option(1e-3, help="RL learning rate."),
+    eval_prompts: int = typer.Option(256, help="Held-out problems evaluated before and after each RL run."),
+    threads: int = typer.Option(1, help="torch intra-op threads (0: leave as is)."),
+) -> None:
+    """EPTree (6,2,1,2) forking at -log p vs random fork points vs 16 (and token-matched) chains on
+    the single-turn arithmetic task: PassRate, distinct correct responses, tokens; then short RL runs
+    with treerl vs grpo advantages and their held-out accuracy."""
+    from treegrpo.benchmarks.eptree import run_bench
+
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        seed_list = []
+    if not seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
+        typer.echo("error: --seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1", err=True)
+        raise typer.Exit(2)
+    run_bench(
+        out,
+        prompts=prompts,
+        seeds=seed_list,
+        rl_steps=rl_steps,
+        rl_prompts_per_step=rl_prompts_per_step,
+        rl_lr=rl_lr,
+        eval_prompts=eval_prompts,
+        threads=threads or None,
+        log=lambda m: typer.echo(m, err=True),
+    )
+
+
+@app.command("plan")
+def plan_cmd(
+    budget: float = typer.Option(..., "--budget", "-b", help="Chain budget: chains per prompt, or generated tokens per prompt."),
+    unit: str = typer.Option("trajectories", "--unit", help="trajectories | tokens."),
+    f: float = typer.Option(0.5, "--f", help="Expansion cost fraction of the cost model (paper formula 0.5; measured ~0.7)."),
+    chain_tokens: float | None = typer.Option(None, "--chain-tokens", help="Generated tokens of one chain (tokens unit; default: the bootstrapped agent's record, or measured with --measure)."),
+    rule_only: bool = typer.Option(False, "--rule-only", help="Ignore the paper's pairs; use the rule for every budget."),
+    measure: bool = typer.Option(False, "--measure", help="Run the plan and the matched chains on the default agent; compare predicted with measured cost."),
+    prompts: int = typer.Option(16, help="--measure: training questions to roll out."),
+    seed: int = typer.Option(0, help="--measure: prompt sample and rollout seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan (and measurement) as JSON."),
+) -> None:
+    """Choose a Tree-GRPO shape (M,N,L) for a chain budget: cost ≈ M·(1 + L·N·f) chains for
+    M·(1 + N·L) trajectories; the paper's pairs 2↔(1,2,1), 4↔(2,2,1), 8↔(2,6,1), 16↔(4,5,1)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from treegrpo.rollout.planner import make_plan, measure_plan, recorded_chain_tokens
+
+    console = Console()
+    if unit not in ("trajectories", "tokens"):
+        typer.echo("error: --unit must be trajectories or tokens", err=True)
+        raise typer.Exit(2)
+    model_dir = None
+    if unit == "tokens" and chain_tokens is None:
+        from treegrpo.models.bootstrap import ensure_bootstrapped
+
+        model_dir = ensure_bootstrapped("default")
+        chain_tokens = recorded_chain_tokens(model_dir)
+        if chain_tokens is None:
+            typer.echo("error: no recorded chain length; pass --chain-tokens", err=True)
+            raise typer.Exit(2)
+    try:
+        plan = make_plan(budget, unit, f=f, chain_tokens=chain_tokens, use_paper=not rule_only)  # type: ignore[arg-type]
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    result = {"plan": plan.to_dict()}
+    if measure:
+        result["measured"] = measure_plan(plan, model_dir, prompts=prompts, seed=seed)
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    t = Table(title=f"plan for a chain budget of {budget:g} {unit}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    shape = f"chain x{plan.m}" if plan.mode == "chain" else f"tree (M,N,L) = ({plan.m},{plan.n},{plan.l})"
+    t.add_row("shape", f"{shape} [{plan.source}]")
+    t.add_row("trajectories / prompt", f"{plan.trajectories}  (chains: {plan.chain_trajectories})")
+    t.add_row("budget (chains)", f"{plan.budget_chains:.2f}")
+    t.add_row(f"predicted cost (chains, f={plan.f:g})", f"{plan.predicted_cost_chains:.2f}")
+    if plan.predicted_tokens is not None:
+        t.add_row("predicted generated tokens / prompt", f"{plan.predicted_tokens:.0f}")
+    if measure:
+        m = result["measured"]
+        t.add_row("measured tokens / chain", f"{m['chain_tokens']:.1f}")
+        t.add_row("measured cost (chains)", f"{m['measured_cost_chains']:.2f}")
+        t.add_row("measured / predicted", f"{m['ratio']:.2f}")
+        if m["f_measured"] is not None:
+            t.add_row("f measured", f"{m['f_measured']:.2f}")
+        t.add_row("wall s (tree / chains)", f"{m['tree']['wall_s']:.1f} / {m['chain']['wall_s']:.1f}")
+    console.print(t)
+
+
+@app.command("bootstrap")
+def bootstrap_cmd(
+    out: Path | None = typer.Option(None, "--out", "-o", help="Model folder (default: the cache, keyed by preset and config)."),
+    preset: str = typer.Option("default", "--preset", help="Synthetic world preset."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init, demos, warm-up and measurement."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the folder is already bootstrapped."),
+) -> None:
+    """Build the tiny starting policy: imperfect demos on the synthetic world, a tokenizer, a small
+    Qwen2 and a supervised warm-up; print its measured held-out success."""
+    from treegrpo.models.bootstrap import BootstrapConfig, bootstrap, default_model_dir, is_bootstrapped
+    from treegrpo.models.tiny import tiny_info
+
+    try:
+        cfg = BootstrapConfig(preset=preset, seed=seed)
+        cfg.world_config()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    folder = out or default_model_dir(cfg)
+    if is_bootstrapped(folder) and not force:
+        typer.echo(f"already bootstrapped: {folder} (use --force to rebuild)")
+    else:
+        bootstrap(folder, cfg, progress=True)
+    info = tiny_info(folder)
+    ev = info.get("warmup_eval", {})
+    for mode in ("sampled", "greedy"):
+        m = ev.get(mode)
+        if m:
+            hops = " ".join(f"{h}-hop {v:.2f}" for h, v in m["success_by_hops"].items())
+            typer.echo(
+                f"{mode:>7}: success {m['success']:.3f} ({hops}); tool calls/trajectory {m['tool_calls']:.2f}; "
+                f"answered after 1 search {m['answer_after_one_search']:.2f}; multi-hop answered early {m['early_answer']:.2f}"
+            )
+    typer.echo(f"model: {folder} ({info.get('params', 0) / 1e6:.2f}M params)")
 
 
 def main() -> None:

@@ -181,7 +181,7 @@ def test_factory(tmp_path: Path, corpus_file: Path, monkeypatch: pytest.MonkeyPa
         make_retriever(corpus=str(corpus_file), kind="splade")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:1: field 'contents'"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1: field 'contents'"):
         make_retriever(corpus=str(bad))
     assert isinstance(make_retriever(url="127.0.0.1:8000", retries=1), HTTPRetriever)
     r1 = make_retriever(corpus=str(corpus_file))

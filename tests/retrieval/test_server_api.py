@@ -130,7 +130,9 @@ def test_concurrent_requests_are_batched_and_correct(bm25: BM25Retriever) -> Non
         """BM25 that takes a while per call, so concurrent requests pile up into batches."""
 
         docs = bm25.docs
-        calls: list[int] = []
+
+        def __init__(self) -> None:
+            self.calls: list[int] = []
 
         def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
             self.calls.append(len(queries))
@@ -170,7 +172,7 @@ def test_retriever_failure_is_a_500_and_serving_goes_on(bm25: BM25Retriever) -> 
         assert resp.status_code == 500 and "index exploded" in resp.json()["error"]
         assert post(srv, {"queries": ["Nile"], "topk": 1}).json()["result"][0][0]["id"] == "4"
         # the client does retry a 500, then gives up with a RetrievalError
-        with pytest.raises(RetrievalError, match="failed after 2 attempts.*500"):
+        with pytest.raises(RetrievalError, match=r"failed after 2 attempts.*500"):
             HTTPRetriever(srv.url, retries=1, backoff=0.01).retrieve(["boom"], 1)
 
 

@@ -60,7 +60,7 @@ def write_search_r1_parquet(path: Path) -> Path:
     return path
 
 
-def teach_to_search(src: Path, dst: Path, steps: int = 30) -> Path:
+def teach_to_search(src: Path, dst: Path, steps: int = 60) -> Path:
     """A copy of the random tiny model, briefly fitted to protocol text so that its rollouts do
     search (a random 2-layer model almost never emits <search> q </search> on its own)."""
     from treegrpo.models.tiny import load_model, load_tokenizer
@@ -74,7 +74,7 @@ def teach_to_search(src: Path, dst: Path, steps: int = 30) -> Path:
     ]
     batch = tok(texts, return_tensors="pt", padding=True)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     model.train()
     for _ in range(steps):
         model(**batch, labels=labels).loss.backward()
@@ -84,16 +84,21 @@ def teach_to_search(src: Path, dst: Path, steps: int = 30) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def taught_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return teach_to_search(tiny_model_dir, tmp_path_factory.mktemp("taught") / "model")
+
+
 @needs_wiki
 def test_train_on_search_r1_parquet_with_wiki_vital_server(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    taught_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from treegrpo.retrieval.factory import make_retriever
     from treegrpo.retrieval.server import ServerThread, make_app
 
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
     data = write_search_r1_parquet(tmp_path / "train.parquet")
-    model_dir = teach_to_search(tiny_model_dir, tmp_path / "model")
+    model_dir = taught_model
     retriever = make_retriever(corpus="wiki-vital")  # bm25 over ~10k Wikipedia summaries
     with ServerThread(make_app(retriever, info={"retriever": "bm25", "corpus": "wiki-vital"})) as srv:
         out = tmp_path / "run"
@@ -123,22 +128,52 @@ def test_train_on_search_r1_parquet_with_wiki_vital_server(
 
 
 def test_train_reports_a_dead_server_as_retrieval_errors(
+    taught_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No server behind the URL: the run does not crash; every failed search is counted."""
+    from treegrpo.retrieval.client import HTTPRetriever
+    from treegrpo.retrieval.server import free_port
+    from treegrpo.train.config import make_config
+    from treegrpo.train.setup import build_run
+    from treegrpo.train.trainer import train
+
+    monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = make_config(
+        {
+            "model": str(taught_model), "data": str(write_search_r1_parquet(tmp_path / "train.parquet")),
+            "retriever_url": url, "steps": 1, "prompts_per_step": 1, "sampler": "chain", "group_size": 2,
+            "out_dir": str(tmp_path / "run"), "max_turns": 1, "max_step_tokens": 20, "eval_prompts": 1,
+            "eval_sampled": False, "tensorboard": False, "kl_coef": 0.0,
+        }
+    )  # fmt: skip
+    parts = build_run(cfg)
+    assert isinstance(parts.env.retriever, HTTPRetriever) and parts.env.retriever.url == url + "/retrieve"
+    parts.env.retriever = HTTPRetriever(url, timeout=1, retries=0)  # fail fast
+    train(cfg, parts=parts)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["budget/retrieval_errors"] == rows[1]["budget/tool_calls"] > 0
+
+
+def test_build_run_with_a_corpus_file_and_jsonl_questions(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No server behind the URL: the run does not crash; failed searches are counted."""
-    from treegrpo.retrieval.server import free_port
+    """--corpus gives an in-process BM25 index (cached); --data JSONL questions; a slice is held out."""
+    from treegrpo.retrieval.base import Doc, write_corpus
+    from treegrpo.retrieval.bm25 import BM25Retriever
+    from treegrpo.train.config import make_config
+    from treegrpo.train.setup import build_run
 
-    data = write_search_r1_parquet(tmp_path / "train.parquet")
-    model_dir = teach_to_search(tiny_model_dir, tmp_path / "model")
-    out = tmp_path / "run"
-    args = [
-        "train", "--model", str(model_dir), "--data", str(data), "--retriever-url", f"http://127.0.0.1:{free_port()}",
-        "--steps", "1", "--prompts-per-step", "1", "--sampler", "chain", "--group-size", "2", "--out-dir", str(out),
-        "--set", "max_turns=1", "--set", "max_step_tokens=20", "--set", "eval_prompts=1",
-        "--set", "eval_sampled=false", "--set", "tensorboard=false", "--set", "kl_coef=0",
-    ]  # fmt: skip
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 0, res.output + repr(res.exception)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows[1]["budget/retrieval_errors"] == rows[1]["budget/tool_calls"] > 0
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus([Doc(str(i), f"city{i}\ncity{i} is in country{i % 3}.") for i in range(12)], corpus)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"where is city{i}?", "answers": [f"country{i % 3}"]}) + "\n" for i in range(10)))
+    cfg = make_config({"model": str(tiny_model_dir), "data": str(data), "corpus": str(corpus), "reward": "f1"})
+    parts = build_run(cfg)
+    assert isinstance(parts.env.retriever, BM25Retriever) and parts.env.metric == "f1"
+    assert [t.id for t in parts.train_tasks] == [f"q{i}" for i in range(8)]
+    assert [t.id for t in parts.eval_tasks] == ["q8", "q9"]
+    assert parts.env.prompt_template == "minimal"  # the tiny model's prompt; search_r1 for other models
+    (hits,) = parts.env.retriever.retrieve(["city7"], 1)
+    assert hits[0].doc.id == "7"

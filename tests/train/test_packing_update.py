@@ -125,3 +125,13 @@ def test_split_minibatches_is_contiguous_and_balanced() -> None:
     assert split_minibatches(2, 4) == [[0], [1]]
     assert split_minibatches(0, 2) == []
     assert split_minibatches(5, 1) == [list(range(5))]
+
+
+def test_an_empty_batch_trains_nothing_and_decides_nothing(tiny_model_dir: Path) -> None:
+    from treegrpo.train.update import _PACKING_CHECKED
+
+    cfg, loss_cfg = _cfgs()
+    model = load_model(tiny_model_dir)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    metrics = update(model, None, opt, [], [], cfg, loss_cfg, PAD)
+    assert metrics["update/packed"] == 1.0 and model not in _PACKING_CHECKED

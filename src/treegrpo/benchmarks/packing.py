@@ -46,8 +46,8 @@ from treegrpo.algos.losses import LossConfig, compute_loss
 from treegrpo.train.batching import SequenceBatch, collate, forest_sequences, micro_batches, token_logprobs
 from treegrpo.train.packing import (
     PackedBatch,
-    model_dtype,
     attention_pair_cost,
+    model_dtype,
     pack_forests,
     packed_logprobs,
     packed_loss,
@@ -269,10 +269,15 @@ def run_bench(
     seed: int = 0,
     max_tokens: int = 8192,
     model_dir: Path | None = None,
+    threads: int | None = None,
     log: Callable[[str], object] = print,
 ) -> dict[str, Any]:
-    """Roll out, measure every shape, write ``out`` (JSON) and the plot next to it (``.png``)."""
+    """Roll out, measure every shape, write ``out`` (JSON) and the plot next to it (``.png``).
+    ``threads``: torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)."""
     from treegrpo.models.bootstrap import ensure_bootstrapped
+
+    if threads:
+        torch.set_num_threads(threads)
 
     model_dir = model_dir or ensure_bootstrapped()
     rows = []

@@ -22,6 +22,7 @@ English stop words, no stemming), queried in-process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -50,13 +51,17 @@ def _stopwords() -> frozenset[str]:
 
 
 def mask_title(text: str, title: str) -> str:
-    """``text`` without the title's content words (case-insensitive, whole words; stop words of
-    the title such as "of" or "the" are kept in the text)."""
+    """``text`` without the title's content words, inflected forms included (whole words compared
+    by their Snowball stem, so "Zebras" goes with the title "Zebra"); the title's stop words
+    ("of", "the") are kept in the text."""
+    import Stemmer
+
+    stem = Stemmer.Stemmer("english").stemWord
     stop = _stopwords()
-    words = {w.lower() for w in _WORD.findall(title) if w.lower() not in stop}
-    if not words:
+    stems = {stem(w.lower()) for w in _WORD.findall(title) if w.lower() not in stop}
+    if not stems:
         return " ".join(text.split())
-    out = _WORD.sub(lambda m: "" if m.group(0).lower() in words else m.group(0), text)
+    out = _WORD.sub(lambda m: "" if stem(m.group(0).lower()) in stems else m.group(0), text)
     out = re.sub(r"\(\s*[,;]?\s*\)", "", out)  # empty brackets left behind
     return " ".join(out.split()).strip(" ,;:")
 
@@ -128,6 +133,16 @@ def rank_metrics(ranked: Sequence[Sequence[str]], gold: Sequence[str]) -> dict[s
         / n
     )
     return {k: round(v, 4) for k, v in out.items()}
+
+
+def paired_vs(ranked: Sequence[Sequence[str]], base: Sequence[Sequence[str]], gold: Sequence[str], k: int = 3) -> dict[str, Any]:
+    """Queries only ``ranked`` gets right at k vs only ``base`` does, and the two-sided exact sign
+    test p-value on those discordant queries (is the recall@k difference more than noise?)."""
+    wins = sum(g in r[:k] and g not in b[:k] for r, b, g in zip(ranked, base, gold, strict=True))
+    losses = sum(g in b[:k] and g not in r[:k] for r, b, g in zip(ranked, base, gold, strict=True))
+    n = wins + losses
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n if n else 1.0
+    return {"only_this": wins, "only_other": losses, "sign_test_p": round(min(1.0, 2 * tail), 4)}
 
 
 def plain_bm25s_ranking(corpus_path: Path, queries: Sequence[str], k: int = 10) -> list[list[str]]:
@@ -295,8 +310,10 @@ def run(
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
     }
     t0 = time.perf_counter()
+    rankings: dict[str, dict[str, list[list[str]]]] = {m: {} for m in METHODS}
     for m, qs in by_method.items():
         ranked = plain_bm25s_ranking(corpus_path, [q["query"] for q in qs])
+        rankings[m]["bm25s_plain"] = ranked
         result["recall"][m]["bm25s_plain"] = rank_metrics(ranked, [q["gold_id"] for q in qs])
     log(f"plain bm25s: {json.dumps({m: r['bm25s_plain']['recall@3'] for m, r in result['recall'].items()})}")
     servers = [(k, "convex") for k in kinds] + ([("hybrid", "rrf")] if "hybrid" in kinds else [])
@@ -308,6 +325,7 @@ def run(
             result["corpus"]["docs"] = srv.health.get("num_docs")
             for m, qs in by_method.items():
                 ranked = ranking_via_server(srv.url, [q["query"] for q in qs])
+                rankings[m][name] = ranked
                 result["recall"][m][name] = rank_metrics(ranked, [q["gold_id"] for q in qs])
             log(f"{name}: {json.dumps({m: r[name]['recall@3'] for m, r in result['recall'].items()})}")
             if load and name in kinds:
@@ -324,6 +342,19 @@ def run(
                 single["retriever_calls"] = h1["batches"] - h0["batches"]
                 result["throughput"][name] = {"single_query_requests": single, "batched_requests": batched}
                 log(f"{name}: {single['queries_per_s']} q/s single, {batched['queries_per_s']} q/s batched")
+    # paired comparisons at recall@3: each retriever against bm25 (and bm25 against plain bm25s)
+    result["paired_recall@3"] = {}
+    for m, qs in by_method.items():
+        gold = [q["gold_id"] for q in qs]
+        rows = rankings[m]
+        cmp: dict[str, Any] = {}
+        if "bm25" in rows:
+            cmp["bm25_vs_bm25s_plain"] = paired_vs(rows["bm25"], rows["bm25s_plain"], gold)
+            for name in rows:
+                if name not in ("bm25", "bm25s_plain"):
+                    cmp[f"{name}_vs_bm25"] = paired_vs(rows[name], rows["bm25"], gold)
+        result["paired_recall@3"][m] = cmp
+    result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     if out is not None:
         from treegrpo.io import atomic_write_text

@@ -131,6 +131,9 @@ class WorldConfig:
         n_eval: questions in the ``eval`` split (held-out success).
         leak_topk: a multi-hop question is kept only if its answer is absent from the top
             ``leak_topk`` passages of its first gold search (use at least the env's ``topk``).
+        name_seed: seed of the entity *names* (default: ``seed``). Worlds that share a name seed
+            and sizes have the same names per type but different relations, passages and
+            questions (used for extra warm-up demonstrations).
     """
 
     seed: int = 0
@@ -143,6 +146,7 @@ class WorldConfig:
     n_train: int = 500
     n_eval: int = 200
     leak_topk: int = 5
+    name_seed: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.hop_mix) != 3 or any(x < 0 for x in self.hop_mix) or sum(self.hop_mix) <= 0:
@@ -305,13 +309,16 @@ def build_world(cfg: WorldConfig | None = None) -> World:
         ValueError: the world has too few entities to fill the splits with the asked hop mix.
     """
     cfg = cfg or PRESETS["default"]
-    rng = random.Random(f"treegrpo-world-{cfg.seed}")
-    namer = _Namer(rng)
-
-    countries = [namer.word(rng.choice((2, 3))) for _ in range(cfg.n_countries)]
+    name_seed = cfg.seed if cfg.name_seed is None else cfg.name_seed
+    name_rng = random.Random(f"treegrpo-world-names-{name_seed}")
+    namer = _Namer(name_rng)
+    countries = [namer.word(name_rng.choice((2, 3))) for _ in range(cfg.n_countries)]
     cities = [namer.word(2) for _ in range(cfg.n_cities)]
-    companies = [namer.word(rng.choice((2, 3))) for _ in range(cfg.n_companies)]
-    people = [f"{namer.word(2)} {namer.word(rng.choice((1, 2)) + 1)}" for _ in range(cfg.n_people)]
+    companies = [namer.word(name_rng.choice((2, 3))) for _ in range(cfg.n_companies)]
+    people = [f"{namer.word(2)} {namer.word(name_rng.choice((1, 2)) + 1)}" for _ in range(cfg.n_people)]
+    rng = random.Random(f"treegrpo-world-{cfg.seed}")
+    for names in (countries, cities, companies, people):
+        rng.shuffle(names)  # who is who (and which names come first) depends on the world seed
 
     # Relations: every city in a country, every country ruled by a distinct person, every company
     # based in a city, every person born in a city and working for a company. Round-robin first so

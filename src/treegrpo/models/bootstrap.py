@@ -240,9 +240,20 @@ def demo_texts(demos: Sequence[Demo], env: SearchEnv) -> list[str]:
 
 
 def aux_worlds(cfg: BootstrapConfig) -> list[World]:
-    """The auxiliary demo worlds of ``cfg``: the target world's shape with other seeds."""
+    """The auxiliary demo worlds of ``cfg``: the target world's shape and entity *names* with other
+    seeds, hence other relations, passages and questions. Every name token is seen in many roles,
+    so the warm-up must learn to copy names from passages rather than memorize facts."""
     base = cfg.world_config()
-    return [build_world(replace(base, seed=base.seed + 1_000_003 * (i + 1))) for i in range(cfg.aux_worlds)]
+    names = base.seed if base.name_seed is None else base.name_seed
+    return [
+        build_world(replace(base, seed=base.seed + 1_000_003 * (i + 1), name_seed=names)) for i in range(cfg.aux_worlds)
+    ]
+
+
+def aux_demo_tasks(world: World, target: World) -> list[Task]:
+    """``world``'s questions (every split) except any whose text is a ``target`` train/eval question."""
+    held = {t.question for s in ("train", "eval") for t in target.tasks(s)}  # type: ignore[arg-type]
+    return [t for s in SPLITS for t in world.tasks(s) if t.question not in held]
 
 
 # --------------------------------------------------------------------------- supervised warm-up
@@ -315,7 +326,7 @@ def supervised_warmup(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        val = float(loss)
+        val = float(loss.detach())
         ema = val if ema is None else 0.95 * ema + 0.05 * val
         if step >= total - per_epoch:
             last_epoch.append(val)
@@ -431,7 +442,7 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
         demos = make_demos(world, env, world.tasks("warmup"), cfg, rng)
         for w in aux_worlds(cfg):
             aux_env = make_env(w, cfg.topk, cfg.prompt_template)
-            demos += make_demos(w, aux_env, [t for s in SPLITS for t in w.tasks(s)], cfg, rng)
+            demos += make_demos(w, aux_env, aux_demo_tasks(w, world), cfg, rng)
         timings["world_and_demos_s"] = time.perf_counter() - t
         _phase(prog, f"world {world.stats['passages']} passages; {len(demos)} demos")
 

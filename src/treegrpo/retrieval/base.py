@@ -6,6 +6,7 @@ Corpus: JSONL ``{"id", "contents"}`` with the title on the first line of ``conte
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -183,9 +184,15 @@ class JsonlDocs(Sequence[Doc]):
             yield self[i]
 
     def close(self) -> None:
-        if self._mm is not None:
+        if getattr(self, "_mm", None) is not None:
             self._mm.close()
-        self._fh.close()
+            self._mm = None
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(BufferError, OSError, ValueError):  # exported views still alive
+            self.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": str(self.path), "offsets": np.asarray(self.offsets)}

@@ -139,9 +139,11 @@ class HTTPRetriever:
             except httpx.TimeoutException:
                 last = f"timed out after {self.timeout:g}s"
                 continue
-            except httpx.TransportError as e:
+            except httpx.TransportError as e:  # connection refused/reset, DNS, protocol errors
                 last = f"cannot reach {self.url} ({type(e).__name__}: {e})"
                 continue
+            except httpx.HTTPError as e:  # redirect loops, undecodable bodies: retrying will not help
+                raise RetrievalError(f"retriever at {self.url} failed: {type(e).__name__}: {e}") from None
             if resp.status_code in RETRYABLE_STATUS:
                 last = f"server answered {resp.status_code}: {_message(resp)}"
                 continue

@@ -2,7 +2,8 @@
 
 Indexes are built once per corpus file and cached under
 ``treegrpo.io.user_cache_dir()/indexes/<corpus stem>-<fingerprint>/`` (the fingerprint is the
-corpus file's path, size and mtime, so a changed corpus gets a fresh index)::
+corpus file's path, size and mtime, so a changed corpus gets a fresh index; a built-in corpus is
+keyed ``<name>-<data package version>`` instead)::
 
     offsets.npy                      validated line offsets of the corpus (lazy, mmap'd documents)
     bm25/                            bm25s index (memory-mapped on load) + treegrpo_bm25.json
@@ -50,9 +51,15 @@ def resolve_corpus(corpus: str | Path) -> Path:
     return p
 
 
-def cache_root(corpus_path: Path) -> Path:
+def cache_root(corpus_path: Path, builtin: str | None = None) -> Path:
+    """Where ``corpus_path``'s indexes are cached. A built-in corpus is keyed by its name and data
+    package version (its file is a deterministic conversion), so a copied cache stays valid."""
     from treegrpo.io import user_cache_dir
 
+    if builtin is not None:
+        from treegrpo.retrieval.wiki import package_version
+
+        return user_cache_dir() / "indexes" / f"{builtin}-{package_version()}"
     return user_cache_dir() / "indexes" / f"{corpus_path.stem}-{corpus_fingerprint(corpus_path)}"
 
 
@@ -97,7 +104,10 @@ def build_local(
         raise ConfigError(f"unknown retriever {kind!r}; choose one of {', '.join(KINDS)}")
     try:
         path = resolve_corpus(corpus)
-        root = cache_root(path) if cache else None
+        from treegrpo.retrieval.wiki import BUILTIN_CORPORA
+
+        builtin = str(corpus) if str(corpus) in BUILTIN_CORPORA else None
+        root = cache_root(path, builtin) if cache else None
         docs = corpus_docs(path, root)
         sparse = _bm25(docs, path, root) if kind in ("bm25", "hybrid") else None
         dense = _dense(docs, root, progress) if kind in ("dense", "hybrid") else None

@@ -32,15 +32,20 @@ class SamplerConfig:
     """Shape of the rollout group.
 
     Attributes:
-        name: ``chain`` or ``tree``.
+        name: ``chain``, ``tree`` or ``eptree`` (:mod:`treegrpo.rollout.eptree`).
         group_size: chains per prompt for ``chain`` (G).
         m: initial chains per prompt for ``tree`` (M; official name ``ts_m``).
         n: nodes expanded per tree per round (N; ``ts_n``).
         l: expansion rounds (L; ``ts_l``).
         expand_mode: ``random`` picks uniformly with replacement among the root and all non-leaf
             nodes (the official code: a picked root starts a brand-new chain); ``nonroot`` excludes
-            the root whenever the tree has another non-leaf node; ``entropy`` prefers steps whose
-            policy tokens had the highest mean ``-log p``, down-weighting steps already expanded.
+            the root whenever the tree has another non-leaf node; ``entropy`` prefers the node
+            (root included) whose next steps — its children, sampled from its context — had the
+            highest mean ``-log p``, so an uncertain step is re-sampled (EPTree's rule: fork
+            *before* the uncertain token), down-weighting nodes already expanded.
+        t: ``eptree``: branches per fork point (T); ``m``, ``n``, ``l`` are its M, N, L.
+        fork_score: ``eptree``: how tokens are ranked as fork points: ``logp`` (``-log p`` of the
+            sampled token), ``entropy`` (full-distribution entropy) or ``random``.
     """
 
     name: str = "tree"
@@ -49,8 +54,12 @@ class SamplerConfig:
     n: int = 2
     l: int = 1
     expand_mode: ExpandMode = "random"
+    t: int = 2
+    fork_score: Literal["logp", "entropy", "random"] = "logp"
 
     def trajectories_per_prompt(self) -> int:
+        if self.name == "eptree":  # at most: a tree with fewer candidate tokens forks less
+            return self.m * (1 + self.n * self.l * self.t)
         return self.group_size if self.name == "chain" else self.m * (1 + self.n * self.l)
 
 
@@ -110,22 +119,30 @@ def _mean_surprise(node: Node) -> float:
 def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list[Node]:
     """Choose ``n`` nodes of ``tree`` to expand (with replacement), per ``mode``."""
     nonleaf = [nd for nd in tree.nodes if nd.parent is not None and not tree.is_leaf(nd.id)]
-    if mode == "random" or (mode in ("nonroot", "entropy") and not nonleaf):
+    if mode == "random" or (mode == "nonroot" and not nonleaf):
         candidates = [tree.root, *nonleaf]
         return [rng.choice(candidates) for _ in range(n)]
     if mode == "nonroot":
         return [rng.choice(nonleaf) for _ in range(n)]
     if mode == "entropy":
+        # Expanding a node re-samples the step taken from its context, so a node is scored by the
+        # steps already sampled there (its children): their mean -log p, averaged over children,
+        # divided by 1 + how often the node was already expanded (children beyond the first
+        # continuation, plus picks made this round). Exact ties break at random.
+        candidates = [tree.root, *nonleaf]
+        surprise = {}
+        for nd in candidates:
+            kids = tree.children[nd.id]
+            surprise[nd.id] = sum(_mean_surprise(tree.node(c)) for c in kids) / max(1, len(kids))
         picks: list[Node] = []
         times: dict[int, int] = {}
         for _ in range(n):
-            # Highest mean surprise, down-weighted by how often the step was already expanded
-            # (existing children beyond the first continuation, plus picks made this round).
-            def key(nd: Node) -> float:
-                expanded = len(tree.children[nd.id]) - 1 + times.get(nd.id, 0)
-                return _mean_surprise(nd) / (1 + expanded)
-
-            best = max(nonleaf, key=key)
+            scores = [
+                surprise[nd.id] / (1 + max(0, len(tree.children[nd.id]) - 1) + times.get(nd.id, 0))
+                for nd in candidates
+            ]
+            top = max(scores)
+            best = rng.choice([nd for nd, sc in zip(candidates, scores, strict=True) if sc == top])
             times[best.id] = times.get(best.id, 0) + 1
             picks.append(best)
         return picks
@@ -158,3 +175,7 @@ def sample_trees(
     # of an earlier round, whose KV the engine still holds (within its memory cap).
     release_engine_cache(runner.engine)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
+
+
+# Registers the ``eptree`` sampler (imported last: it builds on the definitions above).
+from treegrpo.rollout import eptree as _eptree  # noqa: E402, F401

@@ -49,14 +49,19 @@ class TrainConfig(BaseModel):
         "auto",
         description="search_r1 | minimal | a format string with {question}; auto = minimal for the tiny agent, search_r1 otherwise.",
     )
+    task: Literal["search", "arith"] = Field(
+        "search",
+        description="search (agent with a retriever: the synthetic world or --data) | arith (single-turn multi-step arithmetic, its own problems and tiny starting policy).",
+    )
     reward: Literal["em", "sub_em", "f1", "format"] = Field(
         "em",
         description="Reward: em | sub_em | f1 (answer only) | format (Search-R1's format-aware EM: 1 / 0.8 / 0.3 / 0.2 / 0.1 / 0).",
     )
 
     # -- rollout -----------------------------------------------------------------------------------
-    sampler: Literal["tree", "chain"] = Field(
-        "tree", description="tree (Tree-GRPO initialize-then-expand) or chain (independent chains)."
+    sampler: Literal["tree", "chain", "eptree"] = Field(
+        "tree",
+        description="tree (Tree-GRPO initialize-then-expand), chain (independent chains) or eptree (TreeRL token-level forking, single-turn).",
     )
     group_size: int = Field(4, ge=1, description="Chains per prompt for --sampler chain.")
     m: int = Field(
@@ -78,6 +83,10 @@ class TrainConfig(BaseModel):
         "random",
         description="Which nodes a tree expands: random (official, root eligible), nonroot, entropy.",
     )
+    t: int = Field(2, ge=1, description="EPTree: branches per fork point (T).")
+    fork_score: Literal["logp", "entropy", "random"] = Field(
+        "logp", description="EPTree: fork at the tokens with the highest -log p, entropy, or at random."
+    )
     max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
     max_step_tokens: int = Field(48, ge=1, description="Per-step generation cap (tokens).")
     max_obs_tokens: int = Field(160, ge=1, description="Observation tokens kept per step.")
@@ -88,10 +97,16 @@ class TrainConfig(BaseModel):
     # -- advantage and loss ------------------------------------------------------------------------
     advantage: str = Field(
         "auto",
-        description="Estimator from the registry (grpo, tree_grpo, intra_only, inter_only, treerl); auto = tree_grpo for trees, grpo for chains.",
+        description="Estimator from the registry (grpo, tree_grpo, intra_only, inter_only, treerl); auto = tree_grpo for trees, treerl for eptree, grpo for chains.",
     )
     adv_scale: Literal["std", "none"] = Field(
         "std", description="Divide by the group std (std) or not (none, Dr. GRPO)."
+    )
+    adv_sqrt_weighting: bool = Field(
+        True, description="treerl: divide a segment's value by sqrt(#leaves below it) (False: the paper's ablation)."
+    )
+    adv_local: bool = Field(
+        True, description="treerl: add the local term V(s) - V(parent) (False: global advantage only)."
     )
     clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
@@ -140,7 +155,9 @@ class TrainConfig(BaseModel):
             raise ValueError("--corpus/--retriever-url need --data (questions to train on)")
         if self.data and not (self.corpus or self.retriever_url):
             raise ValueError("--data needs a retriever: --corpus PATH or --retriever-url URL")
-        if self.sampler == "tree" and self.n * self.l == 0 and self.m < 2:
+        if self.task == "arith" and (self.data or self.corpus or self.retriever_url):
+            raise ValueError("--task arith has its own problems: drop --data/--corpus/--retriever-url")
+        if self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
             raise ValueError(
                 "a tree with N·L = 0 and M = 1 has one trajectory per prompt: no group to compare"
             )
@@ -151,9 +168,11 @@ class TrainConfig(BaseModel):
     def estimator(self) -> str:
         if self.advantage != "auto":
             return self.advantage
-        return "tree_grpo" if self.sampler == "tree" else "grpo"
+        return {"tree": "tree_grpo", "eptree": "treerl"}.get(self.sampler, "grpo")
 
     def trajectories_per_prompt(self) -> int:
+        if self.sampler == "eptree":
+            return self.m * (1 + self.n * self.l * self.t)
         return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
 
 

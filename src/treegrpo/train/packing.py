@@ -3,7 +3,9 @@ r"""Tree-packed training: every token shared by several root→leaf paths is com
 A forest's paths share their prompt (all trees of a forest start from the same prompt) and, inside
 a tree, every step above a branching point. Training path by path (``batching.collate``) runs the
 model over each shared token once per path through it. Here the paths of a forest are packed into
-one row instead:
+one row instead — or into a few rows when one long row's attention would cost more than its
+sharing saves (a 4D mask makes the model compute attention over all L² pairs of a row, allowed or
+not; see :func:`split_rows`, :func:`attention_pair_cost`):
 
 - **tokens** in depth-first order, each shared node once. The row is a trie over node contents:
   a child is merged with an earlier sibling whose token ids are identical (so the identical prompt

@@ -80,7 +80,11 @@ def _data_parts(cfg: TrainConfig, is_tiny: bool) -> tuple[Any, list[Task], list[
 def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     """Load the model (bootstrapping the tiny agent when no model is given) and the task source."""
     if model_dir is None:
-        if cfg.model is None:
+        if cfg.model is None and cfg.task == "arith":
+            from treegrpo.envs.arith import ensure_arith_bootstrapped
+
+            model_dir = ensure_arith_bootstrapped()
+        elif cfg.model is None:
             from treegrpo.models.bootstrap import ensure_bootstrapped
 
             model_dir = ensure_bootstrapped(cfg.preset)
@@ -93,7 +97,12 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     is_tiny = (model_dir / MARKER_FILE).exists()
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir).to(cfg.device)
-    if cfg.data:
+    agent_cfg = agent_config(cfg)
+    if cfg.task == "arith":
+        from treegrpo.envs.arith import arith_run_parts
+
+        env, train_tasks, eval_tasks, agent_cfg = arith_run_parts(cfg, model_dir)
+    elif cfg.data:
         env, train_tasks, eval_tasks = _data_parts(cfg, is_tiny)
     else:
         env, train_tasks, eval_tasks = _world_parts(cfg)
@@ -105,7 +114,7 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
         env=env,
         train_tasks=train_tasks,
         eval_tasks=eval_tasks[: cfg.eval_prompts],
-        agent_cfg=agent_config(cfg),
+        agent_cfg=agent_cfg,
         extra_files=extra,
         info=tiny_info(model_dir),
     )

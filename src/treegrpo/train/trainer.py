@@ -84,10 +84,12 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
     engine = HFEngine(model, tok, device=cfg.device)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
-    sampler_cfg = SamplerConfig(cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode)
+    sampler_cfg = SamplerConfig(
+        cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score
+    )
     estimator = cfg.estimator
     get_advantage_estimator(estimator)  # fail fast on an unknown name
-    adv_cfg = AdvantageConfig(scale=cfg.adv_scale)
+    adv_cfg = AdvantageConfig(scale=cfg.adv_scale, sqrt_weighting=cfg.adv_sqrt_weighting, local=cfg.adv_local)
     loss_cfg = LossConfig(
         clip_ratio_low=cfg.clip_ratio_low,
         clip_ratio_high=cfg.clip_ratio_high,
@@ -291,6 +293,8 @@ def _headline(ev: dict[str, float]) -> float:
 
 
 def _shape(cfg: TrainConfig) -> str:
+    if cfg.sampler == "eptree":
+        return f"(M,N,L,T)=({cfg.m},{cfg.n},{cfg.l},{cfg.t}) fork at {cfg.fork_score}"
     return (
         f"G={cfg.group_size}"
         if cfg.sampler == "chain"

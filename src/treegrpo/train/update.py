@@ -127,8 +127,10 @@ def packing_supported(
     caller trains per path; with ``strict`` a RuntimeError is raised instead.
     """
     if model not in _PACKING_CHECKED:
-        _PACKING_CHECKED[model] = _probe(model, forests, pad_id, device)
-        reason = _PACKING_CHECKED[model]
+        decided, reason = _probe(model, forests, pad_id, device)
+        if not decided:
+            return True  # no path to probe on, so nothing to train either: decide on the next batch
+        _PACKING_CHECKED[model] = reason
         if reason is not None and not strict:
             (log or _log.warning)(
                 f"packed training off: the model rejects custom 4D attention masks ({reason}); training per path"
@@ -142,10 +144,11 @@ def packing_supported(
 @torch.no_grad()
 def _probe(
     model: torch.nn.Module, forests: Sequence[Forest], pad_id: int, device: str | torch.device
-) -> str | None:
-    """None when packed log-probs match per-path ones on a few real paths, else the reason."""
-    if not forests:
-        return None  # nothing to train on; decide on the next batch
+) -> tuple[bool, str | None]:
+    """``(decided, reason)``: reason None when packed log-probs match per-path ones on a few real
+    paths; ``decided`` is False when the batch has no path to probe on."""
+    if not forests or not any(f.n_trajectories() for f in forests):
+        return False, None
     big = max(range(len(forests)), key=lambda i: forests[i].n_trajectories())
     n = forests[big].n_trajectories()
     pick = sorted({0, n // 2, max(n - 1, 0)}) if n else []
@@ -153,10 +156,8 @@ def _probe(
     was_training = model.training
     model.eval()
     try:
-        batches = pack_forests(forests, select=select, pad_id=pad_id, max_tokens=1 << 30)
-        if not batches:
-            return None
-        mb = batches[0].to(device)
+        (mb,) = pack_forests(forests, select=select, pad_id=pad_id, max_tokens=1 << 30)
+        mb = mb.to(device)
         packed = mb.unpack(packed_logprobs(model, mb)[0])
         paths = forests[big].paths()
         seqs = [
@@ -167,7 +168,7 @@ def _probe(
         ]
         ref, _ = token_logprobs(model, collate(seqs, pad_id).to(device))
     except Exception as e:  # the model rejected the mask or the position ids
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        return True, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     finally:
         model.train(was_training)
     diff = float((packed.float() - ref.float()).abs().max()) if packed.numel() else 0.0
@@ -176,8 +177,8 @@ def _probe(
     )
     tol = 0.25 if half else 1e-3
     if not diff <= tol:
-        return f"packed log-probs differ from per-path ones by {diff:.3g} > {tol:g}"
-    return None
+        return True, f"packed log-probs differ from per-path ones by {diff:.3g} > {tol:g}"
+    return True, None
 
 
 # -- the two implementations ---------------------------------------------------------------------

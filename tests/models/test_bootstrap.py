@@ -1,0 +1,183 @@
+"""The bootstrap: imperfect demos encoded exactly as the agent loop builds contexts, a supervised
+warm-up on policy tokens only, and a folder that loads back with its measured success recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from treegrpo.envs.world import PRESETS, build_world
+from treegrpo.models import bootstrap as bs
+from treegrpo.models.bootstrap import (
+    BootstrapConfig,
+    bootstrap,
+    default_model_dir,
+    encode_demo,
+    ensure_bootstrapped,
+    is_bootstrapped,
+    load_setup,
+    make_demos,
+    make_env,
+)
+from treegrpo.models.tiny import load_model, load_tokenizer, tiny_info, train_tokenizer, wrap_tokenizer
+from treegrpo.rollout.agent import AgentConfig, StepRunner
+
+TINY = BootstrapConfig(
+    preset="tiny",
+    aux_worlds=1,
+    vocab_size=600,
+    hidden_size=32,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    intermediate_size=64,
+    max_positions=512,
+    epochs=1,
+    batch_size=16,
+    n_eval=8,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bootstrap(tmp_path_factory.mktemp("boot") / "model", TINY, progress=False)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    world = build_world(PRESETS["tiny"])
+    env = make_env(world, topk=3)
+    demos = make_demos(world, env, world.tasks("warmup"), TINY, random.Random(0))
+    tok = wrap_tokenizer(train_tokenizer([*world.texts(), *bs.demo_texts(demos, env)], vocab_size=600))
+    return world, env, demos, tok
+
+
+def test_bootstrap_end_to_end(tiny_folder: Path):
+    assert is_bootstrapped(tiny_folder)
+    assert not [p for p in tiny_folder.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
+    tok = load_tokenizer(tiny_folder)
+    model = load_model(tiny_folder)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    for tag in ("</search>", "</answer>", "<search>", "<answer>"):
+        assert len(tok.encode(tag, add_special_tokens=False)) == 1
+    info = tiny_info(tiny_folder)
+    assert info["preset"] == "tiny" and info["seed"] == 0
+    assert info["world"] == PRESETS["tiny"].to_dict()
+    assert math.isfinite(info["sft"]["final_loss"])
+    assert info["demos"]["n"] > len(build_world(PRESETS["tiny"]).tasks("warmup"))  # + the aux world's
+    for mode in ("sampled", "greedy"):
+        m = info["warmup_eval"][mode]
+        assert m["n"] == TINY.n_eval
+        for key in ("success", "answer_after_one_search", "early_answer", "no_search_answer"):
+            assert 0.0 <= m[key] <= 1.0
+        assert m["tool_calls"] >= 0.0
+    setup = load_setup(tiny_folder)
+    assert setup.env.topk == TINY.topk and setup.env.prompt_template == "minimal"
+    assert setup.agent.max_obs_tokens == TINY.max_obs_tokens
+    assert [t.question for t in setup.world.tasks("eval")] == [t.question for t in build_world(PRESETS["tiny"]).tasks("eval")]
+
+
+def test_encoded_demo_matches_the_agent_loop(parts):
+    world, env, demos, tok = parts
+    cfg = AgentConfig(max_obs_tokens=40, use_chat_template=False)
+    runner = StepRunner(None, env, tok, cfg)  # type: ignore[arg-type]
+    demo = next(d for d in demos if sum(o is not None for _, o in d.steps) >= 2)
+    enc = encode_demo(runner, demo)
+    assert len(enc.ids) == len(enc.policy_mask)
+
+    prompt = runner.prompt_ids(demo.task)
+    assert enc.ids[: len(prompt)] == prompt and set(enc.policy_mask[: len(prompt)]) == {0}
+    pos = len(prompt)
+    stops = {tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")}
+    for step, obs in demo.steps:
+        s = tok.encode(step, add_special_tokens=False)
+        assert enc.ids[pos : pos + len(s)] == s and set(enc.policy_mask[pos : pos + len(s)]) == {1}
+        assert s[-1] in stops  # a step ends with its single stop token
+        pos += len(s)
+        if obs is not None:
+            (real,) = env.step([demo.task], [step], [True])  # the observation is the env's own
+            assert obs == real.observation
+            o = tok.encode(obs, add_special_tokens=False)[: cfg.max_obs_tokens]
+            assert enc.ids[pos : pos + len(o)] == o and set(enc.policy_mask[pos : pos + len(o)]) == {0}
+            pos += len(o)
+    assert pos == len(enc.ids)
+    assert enc.policy_mask[-1] == 1  # the final answer
+
+
+def test_loss_is_on_policy_tokens_only(parts):
+    world, env, demos, tok = parts
+    runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
+    enc = [encode_demo(runner, d) for d in demos[:4]]
+    batch = bs._collate(enc, tok.pad_token_id)
+    for r, e in enumerate(enc):
+        labels = batch["labels"][r, : len(e.ids)].tolist()
+        assert labels == [t if m else -100 for t, m in zip(e.ids, e.policy_mask, strict=True)]
+        assert set(batch["labels"][r, len(e.ids) :].tolist()) <= {-100}
+    model = bs.build_model(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64)
+    loss = bs.policy_token_loss(model, batch)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    terms = [
+        -torch.log_softmax(logits[r, t - 1], -1)[e.ids[t]]
+        for r, e in enumerate(enc)
+        for t in range(1, len(e.ids))
+        if e.policy_mask[t]
+    ]
+    assert torch.allclose(loss, torch.stack(terms).mean(), atol=1e-5)
+
+
+def test_demo_imperfections(parts):
+    world, env, _, _ = parts
+    tasks = world.tasks("warmup")
+    perfect = dataclasses.replace(TINY, p_guess=0.0, p_shortcut=0.0, p_bad_query=0.0)
+    demos = make_demos(world, env, tasks, perfect, random.Random(0))
+    assert all(d.reward == 1.0 and d.kind == "correct" for d in demos)
+    assert all(sum(o is not None for _, o in d.steps) == d.task.meta["hops"] for d in demos)
+
+    hasty = dataclasses.replace(perfect, p_shortcut=1.0)
+    for d in make_demos(world, env, tasks, hasty, random.Random(0)):
+        assert sum(o is not None for _, o in d.steps) == 1
+        if d.task.meta["hops"] > 1:  # answers with the bridge entity it just found
+            assert d.kind == "shortcut" and d.reward == 0.0
+            assert d.steps[-1][0] == f"<answer> {d.task.meta['bridges'][0]} </answer>"
+
+    guess = dataclasses.replace(perfect, p_guess=1.0)
+    assert all(len(d.steps) == 1 and d.kind == "guess" for d in make_demos(world, env, tasks, guess, random.Random(0)))
+
+
+def test_aux_worlds_share_names_not_facts():
+    (aux,) = bs.aux_worlds(TINY)
+    target = build_world(PRESETS["tiny"])
+    assert set(aux.entities) == set(target.entities)
+    assert [d.contents for d in aux.corpus] != [d.contents for d in target.corpus]
+    held = {t.question for s in ("train", "eval") for t in target.tasks(s)}
+    assert not held & {t.question for t in bs.aux_demo_tasks(aux, target)}
+
+
+def test_cache_dir_and_ensure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_folder: Path):
+    monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path))
+    folder = default_model_dir(TINY)
+    assert folder.parent == tmp_path / "models" and folder.name.startswith("tiny-")
+    assert default_model_dir(dataclasses.replace(TINY, seed=1)) != folder
+    # A folder already there is reused, not rebuilt.
+    import shutil
+
+    shutil.copytree(tiny_folder, folder)
+    monkeypatch.setattr(bs, "bootstrap", lambda *a, **k: pytest.fail("rebuilt a cached model"))
+    assert ensure_bootstrapped("tiny", cfg=TINY) == folder
+
+
+def test_cli_prints_recorded_success(tiny_folder: Path):
+    from typer.testing import CliRunner
+
+    from treegrpo.cli import app
+
+    res = CliRunner().invoke(app, ["bootstrap", "--out", str(tiny_folder), "--preset", "tiny"])
+    assert res.exit_code == 0, res.output
+    assert "already bootstrapped" in res.output and "sampled: success" in res.output and "greedy: success" in res.output
+    bad = CliRunner().invoke(app, ["bootstrap", "--preset", "nope"])
+    assert bad.exit_code == 2
