@@ -97,7 +97,7 @@ def train_cmd(
 
     from treegrpo.train.config import ConfigError, load_config, parse_set
 
-    console = Console()
+    console = Console(soft_wrap=True)
     overrides = {
         "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
         "preset": preset, "sampler": sampler, "m": m, "n": n, "l": l, "group_size": group_size,
@@ -237,7 +237,7 @@ def bench_budget_cmd(
     out: Path = typer.Option(Path("benchmarks/results/budget.json"), help="Results JSON (plot next to it, .png)."),
     prompts: int = typer.Option(32, help="Training questions rolled out by every configuration."),
     seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
-    repeats: int = typer.Option(5, help="Timed runs of the timing-critical configurations (median)."),
+    repeats: int = typer.Option(3, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
     threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
 ) -> None:
     """Chain at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L), random and nonroot
@@ -254,11 +254,12 @@ def bench_budget_cmd(
 @bench.command("eptree")
 def bench_eptree_cmd(
     out: Path = typer.Option(Path("benchmarks/results/eptree.json"), help="Results JSON (plot next to it, .png)."),
-    prompts: int = typer.Option(48, help="Training problems rolled out by every sampling method, per seed."),
+    prompts: int = typer.Option(96, help="Training problems rolled out by every sampling method, per seed."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated sampling seeds (the first also seeds the RL runs)."),
-    rl_steps: int = typer.Option(12, help="Steps of each RL run (0: sampling comparison only)."),
+    rl_steps: int = typer.Option(30, help="Steps of each RL run (0: sampling comparison only)."),
+    rl_seeds: str = typer.Option("0,1", help="Comma-separated seeds: each RL configuration runs once per seed."),
     rl_prompts_per_step: int = typer.Option(8, help="Prompts per RL step."),
-    rl_lr: float = typer.Option(1e-3, help="RL learning rate."),
+    rl_lr: float = typer.Option(3e-4, help="RL learning rate."),
     eval_prompts: int = typer.Option(256, help="Held-out problems evaluated before and after each RL run."),
     threads: int = typer.Option(1, help="torch intra-op threads (0: leave as is)."),
 ) -> None:
@@ -269,16 +270,20 @@ def bench_eptree_cmd(
 
     try:
         seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+        rl_seed_list = [int(x) for x in rl_seeds.split(",") if x.strip()]
     except ValueError:
-        seed_list = []
-    if not seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
-        typer.echo("error: --seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1", err=True)
+        seed_list = rl_seed_list = []
+    if not seed_list or not rl_seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
+        typer.echo(
+            "error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1", err=True
+        )
         raise typer.Exit(2)
     run_bench(
         out,
         prompts=prompts,
         seeds=seed_list,
         rl_steps=rl_steps,
+        rl_seeds=rl_seed_list,
         rl_prompts_per_step=rl_prompts_per_step,
         rl_lr=rl_lr,
         eval_prompts=eval_prompts,
@@ -336,7 +341,7 @@ def plan_cmd(
     t.add_column("")
     t.add_column("value", justify="right")
     shape = f"chain x{plan.m}" if plan.mode == "chain" else f"tree (M,N,L) = ({plan.m},{plan.n},{plan.l})"
-    t.add_row("shape", f"{shape} [{plan.source}]")
+    t.add_row("shape", f"{shape}, {plan.source}")
     t.add_row("trajectories / prompt", f"{plan.trajectories}  (chains: {plan.chain_trajectories})")
     t.add_row("budget (chains)", f"{plan.budget_chains:.2f}")
     t.add_row(f"predicted cost (chains, f={plan.f:g})", f"{plan.predicted_cost_chains:.2f}")

@@ -16,6 +16,7 @@ from treegrpo.benchmarks.budget import (
     ExpansionContext,
     chain_spec,
     compute_targets,
+    expected_fractions,
     forest_counts,
     measure_all,
     plot,
@@ -28,6 +29,7 @@ from treegrpo.envs.world import PRESETS, build_world
 from treegrpo.models.tiny import load_model, load_tokenizer
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.rollout.engine import Generation
+from treegrpo.tree import Forest, Node, Tree
 
 
 @pytest.fixture(scope="module")
@@ -123,5 +125,36 @@ def test_uncached_tokens_by_hand() -> None:
 
 def test_expansion_context_stays_tagged() -> None:
     c = ExpansionContext([1, 2])
-    c = c + [3]
+    c = c + [3]  # noqa: RUF005 - the runner extends contexts with +
     assert isinstance(c, ExpansionContext) and c == [1, 2, 3]
+
+
+def _chain_tree(steps: list[tuple[str, int]]) -> Tree:
+    """A tree holding one chain: ``(kind, generated tokens)`` per step, the last one a leaf."""
+    tree = Tree([Node(0, None, tokens=[1, 2], policy_mask=[0, 0])])
+    for i, (kind, n) in enumerate(steps, start=1):
+        last = i == len(steps)
+        tree.add(
+            Node(i, i - 1, tokens=[5] * n + ([] if last else [9]), policy_mask=[1] * n + ([] if last else [0]),
+                 reward=0.0 if last else None, extra={"kind": kind})
+        )  # fmt: skip
+    return tree
+
+
+def test_expected_fractions_by_hand() -> None:
+    # chain A: search (3 tokens, 1 tool) then answer (2); chain B: answer only (5 tokens)
+    forest = Forest("p", [_chain_tree([("search", 3), ("answer", 2)]), _chain_tree([("answer", 5)])])
+    # mean chain: 5 tokens, 0.5 tool calls
+    # random:  A picks root (5 tok, 0.5 tools) or node 1 (2 tok, 0 tools); B only the root (5, 0.5)
+    #          -> tokens (3.5 + 5)/2 = 4.25 -> f = 0.85; tools (0.25 + 0.5)/2 = 0.375 -> 0.75
+    r = expected_fractions([forest], "random")
+    assert r["f_expected"] == pytest.approx(0.85) and r["tool_fraction_expected"] == pytest.approx(0.75)
+    # nonroot: A picks node 1 (2, 0); B falls back to the root (5, 0.5) -> f = 3.5/5, tools 0.25/0.5
+    r = expected_fractions([forest], "nonroot")
+    assert r["f_expected"] == pytest.approx(0.7) and r["tool_fraction_expected"] == pytest.approx(0.5)
+    assert expected_fractions([forest], "entropy") == {"f_expected": None, "tool_fraction_expected": None}
+    fc = forest_counts([forest])
+    assert fc["trajectories"] == 2 and fc["generated_tokens"] == 10 and fc["tool_calls"] == 1
+    assert fc["phases"]["init"]["steps"] == 3 and fc["phases"]["expand"]["steps"] == 0
+    # context tokens: A's steps see 2 and 2+4 tokens, B's step 2
+    assert fc["context_tokens"] == 2 + 6 + 2

@@ -27,7 +27,7 @@ from treegrpo.envs.arith import (
 )
 from treegrpo.envs.base import AgentEnv, Task
 
-SMALL = ArithConfig(min_steps=2, max_steps=2, max_start=20, n_train=40, n_eval=8)
+SMALL = ArithConfig(min_steps=2, max_steps=2, max_start=40, n_train=40, n_eval=8)
 TINY_BOOT = ArithBootstrapConfig(
     problems=SMALL,
     n_demos=300,
@@ -220,6 +220,7 @@ def test_bench_eptree_end_to_end_small(arith_model_dir: Path, tmp_path: Path) ->
         prompts=2,
         seeds=(0,),
         rl_steps=1,
+        rl_seeds=(0,),
         rl_prompts_per_step=2,
         eval_prompts=2,
         threads=None,
@@ -235,4 +236,5 @@ def test_bench_eptree_end_to_end_small(arith_model_dir: Path, tmp_path: Path) ->
     assert doc["sampling"]["summary"]["chains_16"]["trajectories"] == 2 * 16
     assert [r["name"] for r in doc["rl"]["runs"]] == ["eptree+treerl", "eptree+grpo", "chains+grpo"]
     assert [r["advantage"] for r in doc["rl"]["runs"]] == ["treerl", "grpo", "grpo"]
+    assert set(doc["rl"]["summary"]) == {"eptree+treerl", "eptree+grpo", "chains+grpo"}
     assert "logp_vs_random_pass_rate" in doc["verdict"] and res["seeds"] == [0]

@@ -433,3 +433,13 @@ def test_attention_pair_cost_of_the_tiny_model(models: dict[str, torch.nn.Module
     cost = attention_pair_cost(models["model"])
     assert 1e-4 < cost < 1e-1
     assert attention_pair_cost(torch.nn.Linear(2, 2)) == 0.0  # not a transformers model: no split
+
+
+def test_short_rows_share_a_sequence_instead_of_padding() -> None:
+    rng = random.Random(13)
+    big = random_forest(rng, n_trees=4, n_expand=6)
+    small = [random_forest(rng, n_trees=1, n_expand=0) for _ in range(3)]
+    (b,) = pack_forests([big, *small], pad_id=PAD, max_tokens=100_000)
+    assert b.shape[0] < 4  # the small forests were put side by side, not each padded to the big one
+    assert int((b.position_ids_B_L[b.valid_B_L] == 0).sum()) == 4  # each forest keeps its own positions
+    assert b.input_ids_B_L.numel() - b.n_packed_tokens < b.shape[1]  # less than one row of padding

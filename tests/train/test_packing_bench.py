@@ -35,6 +35,7 @@ def test_measure_forests_row_is_exact_and_complete(tiny_model_dir: Path, tmp_pat
     assert row["tokens_packed"] < row["tokens_paths"]
     assert row["max_logprob_diff"] <= 1e-5 and row["max_grad_diff"] <= 1e-5 and row["loss_diff"] <= 1e-5
     assert row["peak_mb_paths"] > 0 and row["peak_mb_packed"] > 0
+    assert row["exact"] is True and isinstance(row["meets_speed_target"], bool)
     json.dumps(row)
     plot([row, {**row, "forest": "again"}], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000

@@ -23,7 +23,8 @@ prompts, the samplers' own budget counters) and ``wall_s``.
 **RL** (the one trainer loop, :func:`treegrpo.train.trainer.train`, from the same starting policy):
 ``eptree+treerl`` (process rewards per segment), ``eptree+grpo`` (the same forests, one
 trajectory-level advantage per leaf) and ``chains+grpo`` (chains at the matched token count);
-held-out success on the ``eval`` split (greedy and sampled, one chain per problem) before and after.
+held-out success on the ``eval`` split (greedy and sampled, one chain per problem) before and after,
+per RL seed and averaged (``rl.summary``).
 
 Results: JSON (``--out``) and a PNG plot beside it.
 """
@@ -50,13 +51,34 @@ METHODS: tuple[str, ...] = ("eptree_logp", "eptree_random", "eptree_entropy", "c
 def forest_stats(forests: Sequence[Forest]) -> dict[str, float]:
     """Per batch of forests: ``pass_rate`` (prompts with a correct leaf), ``distinct_correct``
     (distinct correct responses per prompt), ``correct_frac`` (correct leaves), ``correct_leaves``
-    (per prompt) and ``mixed_frac`` (prompts whose leaves disagree: a non-zero learning signal)."""
+    (per prompt) and ``mixed_frac`` (prompts whose leaves disagree: a non-zero learning signal).
+
+    For EPTree forests (leaves carry ``extra["round"]``) also ``branch_correct_frac`` (forked
+    branches that are correct) and ``rescued_frac`` (trees whose initial chain failed in which some
+    branch succeeded, over trees whose initial chain failed and that forked) and
+    ``hard_rescued_frac`` (prompts whose M initial chains all failed that a branch solved, over
+    such prompts); ``None`` otherwise.
+    """
     passed = 0
     distinct = 0
     correct = 0
     leaves = 0
     mixed = 0
+    branches = branch_ok = failed = rescued = hard = hard_ok = 0
     for forest in forests:
+        firsts = [leaf for _, leaf in forest.leaves() if leaf.extra.get("round") == 0]
+        if firsts and all((leaf.reward or 0.0) <= 0 for leaf in firsts):
+            hard += 1
+            hard_ok += int(any((leaf.reward or 0.0) > 0 for _, leaf in forest.leaves()))
+        for tree in forest.trees:
+            tl = tree.leaves()
+            first = [leaf for leaf in tl if leaf.extra.get("round") == 0]
+            forked = [leaf for leaf in tl if (leaf.extra.get("round") or 0) >= 1]
+            branches += len(forked)
+            branch_ok += sum((leaf.reward or 0.0) > 0 for leaf in forked)
+            if first and forked and (first[0].reward or 0.0) <= 0:
+                failed += 1
+                rescued += int(any((leaf.reward or 0.0) > 0 for leaf in forked))
         seqs = set()
         mine = forest.leaves()
         for ti, leaf in mine:
@@ -75,7 +97,16 @@ def forest_stats(forests: Sequence[Forest]) -> dict[str, float]:
         "correct_frac": correct / max(1, leaves),
         "correct_leaves": correct / n,
         "mixed_frac": mixed / n,
+        "branch_correct_frac": branch_ok / branches if branches else None,
+        "rescued_frac": rescued / failed if failed else None,
+        "hard_prompts": hard if _has_rounds(forests) else None,
+        "hard_rescued_frac": hard_ok / hard if hard else None,
     }
+
+
+def _has_rounds(forests: Sequence[Forest]) -> bool:
+    """Whether the forests' leaves record their EPTree round (``extra["round"]``)."""
+    return any("round" in leaf.extra for f in forests for _, leaf in f.leaves())
 
 
 def _sampler_cfg(method: str, shape: tuple[int, int, int, int], chains: int) -> Any:
@@ -165,6 +196,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         out[method]["pass_rate_per_seed"] = [r["pass_rate"] for r in mine]  # type: ignore[assignment]
         if mine[0]["chains"] is not None:
             out[method]["chains"] = statistics.fmean(r["chains"] for r in mine)
+        for k in ("branch_correct_frac", "rescued_frac", "hard_prompts", "hard_rescued_frac"):
+            vals = [r[k] for r in mine if r.get(k) is not None]
+            if vals:
+                out[method][k] = statistics.fmean(vals)
     return out
 
 
@@ -221,6 +256,7 @@ def rl_runs(
             s = train(cfg, console=Console(quiet=True))
             row = {
                 "name": name,
+                "seed": seed,
                 "sampler": cfg.sampler,
                 "advantage": cfg.estimator,
                 "steps": steps,
@@ -234,11 +270,28 @@ def rl_runs(
             }
             out.append(row)
             log(
-                f"  RL {name:14s} held-out sampled {s.eval_start.get('eval/success_sampled', float('nan')):.3f} → "
+                f"  RL seed {seed} {name:14s} held-out sampled {s.eval_start.get('eval/success_sampled', float('nan')):.3f} → "
                 f"{s.eval_end.get('eval/success_sampled', float('nan')):.3f} · greedy "
                 f"{s.eval_start['eval/success_greedy']:.3f} → {s.eval_end['eval/success_greedy']:.3f} · "
                 f"gen tokens {s.generated_tokens} · {s.wall_s:.0f}s"
             )
+    return out
+
+
+def rl_summary(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per RL configuration: held-out success at the start and the end, mean over seeds."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        row: dict[str, Any] = {"seeds": [r["seed"] for r in mine]}
+        for key in ("eval/success_sampled", "eval/success_greedy"):
+            if key in mine[0]["eval_start"]:
+                short = key.split("/")[-1]
+                row[f"{short}_start"] = statistics.fmean(r["eval_start"][key] for r in mine)
+                row[f"{short}_end"] = statistics.fmean(r["eval_end"][key] for r in mine)
+                row[f"{short}_end_per_seed"] = [r["eval_end"][key] for r in mine]
+        row["generated_tokens"] = statistics.fmean(r["generated_tokens"] for r in mine)
+        out[name] = row
     return out
 
 
@@ -250,6 +303,8 @@ def verdict(summary: dict[str, dict[str, float]]) -> dict[str, Any]:
         "logp_vs_random_distinct_correct": lp["distinct_correct"] - rnd["distinct_correct"],
         "logp_vs_random_tokens_ratio": lp["generated_tokens"] / max(1.0, rnd["generated_tokens"]),
         "logp_vs_random_correct_per_1k_tokens": lp["correct_per_1k_tokens"] - rnd["correct_per_1k_tokens"],
+        "logp_vs_random_branch_correct_frac": lp.get("branch_correct_frac", 0.0) - rnd.get("branch_correct_frac", 0.0),
+        "logp_vs_random_rescued_frac": lp.get("rescued_frac", 0.0) - rnd.get("rescued_frac", 0.0),
     }
     for chains in ("chains_16", "chains_matched"):
         c = summary.get(chains)
@@ -270,7 +325,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     summary = result["sampling"]["summary"]
     methods = [m for m in METHODS if m in summary]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     x = range(len(methods))
     ax = axes[0]
     ax.bar(x, [summary[m]["pass_rate"] for m in methods], color="tab:blue")
@@ -286,17 +341,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("distinct correct responses / prompt")
     ax.set_title("diversity of correct responses")
     ax = axes[2]
-    runs = result.get("rl", {}).get("runs", [])
-    if runs:
-        names = [r["name"] for r in runs]
-        key = "eval/success_sampled" if "eval/success_sampled" in runs[0]["eval_start"] else "eval/success_greedy"
-        xs = range(len(runs))
-        ax.bar([i - 0.2 for i in xs], [r["eval_start"][key] for r in runs], width=0.4, label="start", color="tab:gray")
-        ax.bar([i + 0.2 for i in xs], [r["eval_end"][key] for r in runs], width=0.4, label="end", color="tab:orange")
+    ax.bar(x, [summary[m]["correct_per_1k_tokens"] for m in methods], color="tab:purple")
+    ax.set_xticks(list(x), methods, rotation=20, fontsize=8)
+    ax.set_ylabel("correct leaves / 1k generated tokens")
+    ax.set_title("correct trajectories per token")
+    ax = axes[3]
+    rl = result.get("rl", {})
+    rsum = rl.get("summary", {})
+    if rsum:
+        names = list(rsum)
+        key = "success_sampled" if "success_sampled_start" in rsum[names[0]] else "success_greedy"
+        xs = range(len(names))
+        ax.bar([i - 0.2 for i in xs], [rsum[k][f"{key}_start"] for k in names], width=0.4, label="start", color="tab:gray")
+        ax.bar([i + 0.2 for i in xs], [rsum[k][f"{key}_end"] for k in names], width=0.4, label="end (mean)", color="tab:orange")
+        for i, k in enumerate(names):
+            ax.scatter([i + 0.2] * len(rsum[k][f"{key}_end_per_seed"]), rsum[k][f"{key}_end_per_seed"], color="k", s=10, zorder=3)
         ax.set_xticks(list(xs), names, rotation=15, fontsize=8)
-        ax.set_ylabel(f"held-out {key.split('/')[-1]}")
-        ax.legend()
-        ax.set_title(f"RL, {runs[0]['steps']} steps")
+        ax.set_ylabel(f"held-out {key}")
+        ax.legend(fontsize=8)
+        ax.set_title(f"RL, {rl['runs'][0]['steps']} steps, seeds {rl['seeds']}")
     fig.suptitle(
         f"EPTree {tuple(result['shape'].values())} vs random forking vs chains — arithmetic, seeds {result['seeds']}",
         fontsize=10,
@@ -308,11 +371,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def run_bench(
     out: Path,
-    prompts: int = 48,
+    prompts: int = 96,
     seeds: Sequence[int] = (0, 1, 2),
-    rl_steps: int = 12,
+    rl_steps: int = 30,
     rl_prompts_per_step: int = 8,
-    rl_lr: float = 1e-3,
+    rl_lr: float = 3e-4,
+    rl_seeds: Sequence[int] = (0, 1),
     eval_prompts: int = 256,
     threads: int | None = 1,
     model_dir: Path | None = None,
@@ -338,10 +402,14 @@ def run_bench(
     t_sampling = time.perf_counter() - t0
     runs: list[dict[str, Any]] = []
     if rl_steps > 0:
-        log(f"bench eptree: RL, {rl_steps} steps × {rl_prompts_per_step} prompts, lr {rl_lr}, chains+grpo with G={matched}")
-        runs = rl_runs(
-            model_dir, seeds[0], rl_steps, rl_prompts_per_step, rl_lr, matched, eval_prompts, shape, threads, log
+        log(
+            f"bench eptree: RL, seeds {list(rl_seeds)}, {rl_steps} steps × {rl_prompts_per_step} prompts, "
+            f"lr {rl_lr}, chains+grpo with G={matched}"
         )
+        for rl_seed in rl_seeds:
+            runs += rl_runs(
+                model_dir, rl_seed, rl_steps, rl_prompts_per_step, rl_lr, matched, eval_prompts, shape, threads, log
+            )
     result = {
         "bench": "eptree",
         "task": "arith",
@@ -359,14 +427,16 @@ def run_bench(
         "verdict": verdict(summary),
         "rl": {
             "runs": runs,
-            "seed": seeds[0],
+            "summary": rl_summary(runs),
+            "seeds": list(rl_seeds),
             "eval_split": "eval",
             "eval_prompts": eval_prompts,
             "chains_group_size": matched,
         },
         "command": (
             f"treegrpo bench eptree --out {out} --prompts {prompts} --seeds {','.join(map(str, seeds))} "
-            f"--rl-steps {rl_steps} --rl-prompts-per-step {rl_prompts_per_step} --rl-lr {rl_lr} "
+            f"--rl-steps {rl_steps} --rl-seeds {','.join(map(str, rl_seeds))} "
+            f"--rl-prompts-per-step {rl_prompts_per_step} --rl-lr {rl_lr} "
             f"--eval-prompts {eval_prompts} --threads {threads}"
         ),
         "wall_s": round(time.perf_counter() - t0, 1),

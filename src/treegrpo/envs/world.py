@@ -26,6 +26,7 @@ Splits ``warmup`` (demonstrations for the supervised warm-up), ``train`` (RL) an
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -141,8 +142,8 @@ class WorldConfig:
     n_companies: int = 60
     n_cities: int = 48
     n_countries: int = 12
-    hop_mix: tuple[float, float, float] = (0.3, 0.4, 0.3)
-    n_warmup: int = 1000
+    hop_mix: tuple[float, float, float] = (0.2, 0.4, 0.4)
+    n_warmup: int = 600
     n_train: int = 500
     n_eval: int = 200
     leak_topk: int = 5
@@ -174,7 +175,7 @@ class WorldConfig:
 
 
 PRESETS: dict[str, WorldConfig] = {
-    # The default demo world: ~420 passages, 1000 / 500 / 200 questions.
+    # The default demo world: 420 passages, 600 / 500 / 200 questions.
     "default": WorldConfig(),
     # A small world for tests and quick experiments.
     "tiny": WorldConfig(
@@ -273,6 +274,15 @@ class World:
     def doc(self, name: str) -> Doc:
         """The passage of the entity called ``name``."""
         return self._docs_by_id[self.entities[name].doc_id]
+
+    def names_in(self, text: str) -> list[str]:
+        """Entity names occurring in ``text``, in order of appearance (with repeats)."""
+        return self._name_re.findall(text)
+
+    @cached_property
+    def _name_re(self) -> re.Pattern[str]:
+        names = sorted(self.entities, key=len, reverse=True)
+        return re.compile(r"\b(" + "|".join(re.escape(n) for n in names) + r")\b")
 
     @cached_property
     def _docs_by_id(self) -> dict[str, Doc]:

@@ -78,7 +78,7 @@ class BootstrapConfig:
             questions; they make the warm-up learn *copying* names rather than memorizing them.
         vocab_size: BPE vocabulary size of the tokenizer.
         hidden_size / layers / heads / kv_heads / intermediate_size / max_positions: the Qwen2 shape.
-        epochs: passes over the demonstrations.
+        epochs: passes over the demonstrations (may be fractional).
         batch_size: demonstrations per optimizer step (length-bucketed, right-padded).
         lr / weight_decay / warmup_frac / grad_clip: AdamW with linear warm-up, cosine decay.
         n_eval: eval questions used to measure the warm-up (``None`` = the whole eval split).
@@ -91,22 +91,22 @@ class BootstrapConfig:
     topk: int = 3
     prompt_template: str = "minimal"
     max_turns: int = 4
-    max_step_tokens: int = 24
+    max_step_tokens: int = 48
     max_obs_tokens: int = 160
-    max_context_tokens: int = 512
-    p_guess: float = 0.25
-    p_shortcut: float = 0.55
-    p_bad_query: float = 0.08
+    max_context_tokens: int = 1024
+    p_guess: float = 0.0
+    p_shortcut: float = 0.6
+    p_bad_query: float = 0.05
     demos_per_question: int = 1
     aux_worlds: int = 4
-    vocab_size: int = 1024
+    vocab_size: int = 3000
     hidden_size: int = 96
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 256
-    max_positions: int = 512
-    epochs: int = 8
+    max_positions: int = 1024
+    epochs: float = 4.5
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -182,7 +182,10 @@ def make_demos(world: World, env: SearchEnv, tasks: Sequence[Task], cfg: Bootstr
 
     Each demo walks the task's relation chain: search the current entity, read the relation's
     object off that entity's passage, then search it — or, with the configured probabilities,
-    guess without searching, answer early with the bridge entity, or search a wrong entity.
+    guess without searching (``p_guess``), answer early with the bridge entity just found
+    (``p_shortcut``), or search another entity named in the last observation (``p_bad_query``)
+    and answer with a name that entity's passage gives. Every name a demo writes is copied from
+    the question or an observation, except a guess.
     """
     by_type: dict[str, list[str]] = {}
     for name, e in world.entities.items():
@@ -198,17 +201,24 @@ def make_demos(world: World, env: SearchEnv, tasks: Sequence[Task], cfg: Bootstr
             steps: list[tuple[str, str | None]] = []
             kind = "correct"
             current = task.meta["start"]
+            last_obs = ""
             for k, rel in enumerate(rels):
                 query = current
-                if rng.random() < cfg.p_bad_query:
-                    others = [n for n in by_type[world.entities[current].type] if n != current]
-                    query, kind = rng.choice(others), "bad_query"
+                if k > 0 and rng.random() < cfg.p_bad_query:
+                    others = [n for n in world.names_in(last_obs) if n != current and n not in task.meta["queries"]]
+                    if others:
+                        query, kind = rng.choice(others), "bad_query"
                 step = search_text(query)
                 (out,) = env.step([task], [step], [True])
+                last_obs = out.observation or ""
                 steps.append((step, out.observation))
+                if query != current:  # on a wrong track: answer with what that passage names
+                    named = [n for n in world.names_in(world.doc(query).text) if n != query]
+                    current = named[0] if named else query
+                    break
                 current = world.entities[query].relations[rel]
                 if k < len(rels) - 1 and rng.random() < cfg.p_shortcut:
-                    kind = "shortcut" if kind == "correct" else kind
+                    kind = "shortcut"
                     break
             steps.append((answer_text(current), None))
             demos.append(Demo(task, steps, kind))
@@ -284,13 +294,24 @@ def _collate(encoded: Sequence[EncodedDemo], pad_id: int) -> dict[str, torch.Ten
 
 
 def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over policy tokens only (labels are -100 elsewhere)."""
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    ).logits
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
-    )
+    """Mean next-token cross-entropy over policy tokens only (labels are -100 elsewhere).
+
+    Logits are computed at the policy positions only (most positions are prompt and observation
+    tokens, so this skips most of the output layer's work)."""
+    labels = batch["labels"][:, 1:]
+    sel = labels != -100
+    base = getattr(model, "model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(base, torch.nn.Module) and head is not None:
+        hidden = base(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).last_hidden_state
+        logits = head(hidden[:, :-1][sel])
+    else:  # any other causal LM: full logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits[:, :-1][sel]
+    return torch.nn.functional.cross_entropy(logits.float(), labels[sel])
 
 
 def supervised_warmup(
@@ -303,8 +324,12 @@ def supervised_warmup(
 ) -> dict[str, float]:
     """AdamW on the demos' policy tokens; returns loss statistics."""
     lengths = [len(e.ids) for e in encoded]
-    plan = [b for _ in range(cfg.epochs) for b in _batches(lengths, cfg.batch_size, rng)]
-    total = len(plan)
+    per_epoch = math.ceil(len(encoded) / cfg.batch_size)
+    total = max(1, math.ceil(cfg.epochs * per_epoch))
+    plan: list[list[int]] = []
+    while len(plan) < total:  # whole shuffled epochs; a fractional last one is cut short
+        plan += _batches(lengths, cfg.batch_size, rng)
+    plan = plan[:total]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warm = max(1, int(cfg.warmup_frac * total))
 
@@ -316,7 +341,6 @@ def supervised_warmup(
     model.train()
     ema: float | None = None
     last_epoch: list[float] = []
-    per_epoch = max(1, total // max(1, cfg.epochs))
     task_id = progress.add_task("warm-up (SFT)", total=total) if progress is not None else None
     for step, idx in enumerate(plan):
         for g in opt.param_groups:

@@ -15,6 +15,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers.utils import logging as hf_logging
+
+# Loading/saving a 1M-parameter model needs no progress bars between our own progress lines.
+hf_logging.disable_progress_bar()
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

@@ -328,6 +328,46 @@ def _build_row(
     return _Row(tokens, positions, prev, spans, list(path_ids), path_index, list(masks), list(advs))
 
 
+def _concat_rows(rows: Sequence[_Row]) -> _Row:
+    """Several packed rows side by side in one sequence; their masks stay block-diagonal (each
+    part's spans are its own), positions restart in each part."""
+    if len(rows) == 1:
+        return rows[0]
+    out = _Row([], [], [], [], [], [], [], [])
+    for r in rows:
+        off = len(out.tokens)
+        out.tokens.extend(r.tokens)
+        out.positions.extend(r.positions)
+        out.prev.extend(p + off if p >= 0 else -1 for p in r.prev)
+        out.spans.extend((s + off, e + off, sub + off) for s, e, sub in r.spans)
+        out.path_ids.extend(r.path_ids)
+        out.path_index.extend(pi + off for pi in r.path_index)
+        out.path_mask.extend(r.path_mask)
+        out.path_adv.extend(r.path_adv)
+    return out
+
+
+def _fill_rows(rows: Sequence[_Row]) -> list[_Row]:
+    """First-fit decreasing of rows into sequences as long as the longest row, so short rows
+    (small forests, split parts) share a sequence instead of being padded to the longest one:
+    padding costs a row's full per-token work and its dense attention alike."""
+    if not rows:
+        return []
+    cap = max(len(r) for r in rows)
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+        for b, room in enumerate(free):
+            if len(rows[i]) <= room:
+                bins[b].append(i)
+                free[b] -= len(rows[i])
+                break
+        else:
+            bins.append([i])
+            free.append(cap - len(rows[i]))
+    return [_concat_rows([rows[i] for i in sorted(b)]) for b in bins]
+
+
 def _path_weights(n_policy: Sequence[int], lengths: Sequence[int], agg_mode: str) -> list[float]:
     """Aggregation weight ``w_p`` of a policy token of each path (see the module docstring)."""
     if agg_mode not in AGG_MODES:
@@ -497,7 +537,7 @@ def pack_forests(
     n_policy = [sum(m) for u in units for m in u[2]]
     lengths = [len(m) for u in units for m in u[2]]
     weights = dict(zip(all_ids, _path_weights(n_policy, lengths, agg_mode), strict=True))
-    rows = [_build_row(*u) for u in units]
+    rows = _fill_rows([_build_row(*u) for u in units])
     count_total = float(sum(n_policy))
     return [
         _collate_rows([rows[i] for i in mb], weights, pad_id, count_total)

@@ -33,7 +33,7 @@ def summary_table(s: TrainSummary) -> Table:
 
 
 def run_training(cfg: TrainConfig, console: Console | None = None) -> TrainSummary:
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     s = train(cfg, console)
     console.print(summary_table(s))
     console.print(

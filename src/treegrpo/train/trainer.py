@@ -68,7 +68,7 @@ class TrainSummary:
 
 
 def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | None = None) -> TrainSummary:
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
