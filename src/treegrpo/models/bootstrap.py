@@ -80,7 +80,10 @@ class BootstrapConfig:
         hidden_size / layers / heads / kv_heads / intermediate_size / max_positions: the Qwen2 shape.
         epochs: passes over the demonstrations (may be fractional).
         batch_size: demonstrations per optimizer step (length-bucketed, right-padded).
-        lr / weight_decay / warmup_frac / grad_clip: AdamW with linear warm-up, cosine decay.
+        lr / weight_decay / warmup_frac / grad_clip: AdamW with a linear warm-up over ``warmup_frac``
+            of the steps, then a constant rate, then a cosine decay to 0 over the last
+            ``lr_decay_frac`` of the steps after warm-up (1.0 = plain cosine). A constant phase
+            matters: copying names from the context emerges abruptly after a few hundred steps.
         n_eval: eval questions used to measure the warm-up (``None`` = the whole eval split).
         eval_batch_size: contexts per engine forward batch while measuring.
     """
@@ -98,19 +101,20 @@ class BootstrapConfig:
     p_shortcut: float = 0.6
     p_bad_query: float = 0.05
     demos_per_question: int = 1
-    aux_worlds: int = 4
+    aux_worlds: int = 6
     vocab_size: int = 3000
     hidden_size: int = 96
-    layers: int = 4
+    layers: int = 3
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 256
     max_positions: int = 1024
-    epochs: float = 4.5
+    epochs: float = 6
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_frac: float = 0.05
+    lr_decay_frac: float = 0.25
     grad_clip: float = 1.0
     n_eval: int | None = None
     eval_batch_size: int | None = None
@@ -333,10 +337,15 @@ def supervised_warmup(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warm = max(1, int(cfg.warmup_frac * total))
 
+    decay = max(1, round(cfg.lr_decay_frac * (total - warm)))  # cosine over the last `decay` steps
+
     def lr_at(step: int) -> float:
         if step < warm:
             return cfg.lr * (step + 1) / warm
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+        into = step - (total - decay)
+        if into < 0:
+            return cfg.lr
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * into / decay))
 
     model.train()
     ema: float | None = None

@@ -144,7 +144,9 @@ class TrainConfig(BaseModel):
     resume: bool = Field(False, description="Resume from out_dir/checkpoint if it exists.")
     seed: int = Field(0, description="Seed of the run (prompt order, tree picks, sampling).")
     device: str = Field("cpu", description="torch device.")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    threads: int = Field(
+        1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
+    )
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
 
     @model_validator(mode="after")

@@ -31,15 +31,20 @@ class RunParts:
     info: dict[str, Any]
 
 
-def agent_config(cfg: TrainConfig) -> AgentConfig:
-    return AgentConfig(
-        max_turns=cfg.max_turns,
-        max_step_tokens=cfg.max_step_tokens,
-        max_obs_tokens=cfg.max_obs_tokens,
-        max_context_tokens=cfg.max_context_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-    )
+_LIMITS = ("max_turns", "max_step_tokens", "max_obs_tokens", "max_context_tokens")
+
+
+def agent_config(cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_positions: int | None = None) -> AgentConfig:
+    """The agent loop's limits: fields the user set win; otherwise the limits a bootstrapped model
+    was taught with (``recorded``), then the config defaults. The context never exceeds what the
+    model can position (``max_positions``)."""
+    recorded = recorded or {}
+    limits = {
+        k: getattr(cfg, k) if k in cfg.model_fields_set or k not in recorded else int(recorded[k]) for k in _LIMITS
+    }
+    if max_positions is not None:
+        limits["max_context_tokens"] = min(limits["max_context_tokens"], int(max_positions))
+    return AgentConfig(**limits, temperature=cfg.temperature, top_p=cfg.top_p)
 
 
 def _world_parts(cfg: TrainConfig) -> tuple[Any, list[Task], list[Task]]:
@@ -97,7 +102,8 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     is_tiny = (model_dir / MARKER_FILE).exists()
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir).to(cfg.device)
-    agent_cfg = agent_config(cfg)
+    info = tiny_info(model_dir)
+    agent_cfg = agent_config(cfg, info.get("agent"), getattr(model.config, "max_position_embeddings", None))
     if cfg.task == "arith":
         from treegrpo.envs.arith import arith_run_parts
 
@@ -116,5 +122,5 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
         eval_tasks=eval_tasks[: cfg.eval_prompts],
         agent_cfg=agent_cfg,
         extra_files=extra,
-        info=tiny_info(model_dir),
+        info=info,
     )
