@@ -10,7 +10,7 @@ import torch
 
 from treegrpo.models.tiny import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams
-from treegrpo.rollout.hf_engine import HFEngine
+from treegrpo.rollout.hf_engine import HFEngine, _length_buckets
 
 PROMPT = "Question: what is the capital of france? <think> I should search. </think><search>"
 # The overfit target: the prompt, then a search query made of several BPE pieces, then the tag.
@@ -119,9 +119,12 @@ def test_greedy_batched_equals_single(engine: HFEngine, tokenizer) -> None:
 
 
 def test_one_batched_forward_per_decode_step(engine: HFEngine, tokenizer) -> None:
-    """All contexts go through one left-padded prefill and then one forward per decode step for
-    the whole batch (no per-row calls); a padded row gets positions 0..len-1 on its real tokens."""
-    contexts = _contexts(tokenizer, [4, 19, 1, 11])
+    """Prefill runs one left-padded forward per length bucket (each row once, positions 0..len-1 on
+    its real tokens); then every decode step is ONE forward for the whole batch, rows in order."""
+    lengths = [4, 19, 1, 11]
+    contexts = _contexts(tokenizer, lengths)
+    buckets = _length_buckets(lengths)
+    assert len(buckets) == 2  # [19, 11, 4] and [1]: the merge path is exercised
     calls: list[tuple[int, int, list[list[int]]]] = []
 
     def hook(_module, _args, kwargs):
@@ -135,14 +138,51 @@ def test_one_batched_forward_per_decode_step(engine: HFEngine, tokenizer) -> Non
     finally:
         handle.remove()
     assert all(len(g.tokens) == 6 for g in gens)
-    assert len(calls) == 1 + 5
-    batch, width, positions = calls[0]
-    assert (batch, width) == (4, 19)
-    for row, ctx in zip(positions, contexts, strict=True):
-        assert row[-len(ctx) :] == list(range(len(ctx)))
-    for t, (batch, width, pos) in enumerate(calls[1:]):
+    prefill, decode = calls[: len(buckets)], calls[len(buckets) :]
+    assert len(decode) == 6 - 1  # one forward per fed-back token, whatever the buckets
+    for idx, (batch, width, positions) in zip(buckets, prefill, strict=True):
+        assert (batch, width) == (len(idx), max(lengths[i] for i in idx))
+        for row, i in zip(positions, idx, strict=True):
+            assert row[-lengths[i] :] == list(range(lengths[i]))
+    for t, (batch, width, pos) in enumerate(decode):
         assert (batch, width) == (4, 1)
         assert [p[0] for p in pos] == [len(c) + t for c in contexts]
+
+
+def test_length_buckets_bound_padding() -> None:
+    assert _length_buckets([]) == []
+    assert _length_buckets([7]) == [[0]]
+    assert _length_buckets([1] * 5) == [[0, 1, 2, 3, 4]]
+    # Cached rows (1-token suffixes) do not pad up to the long uncached ones.
+    assert _length_buckets([1, 100, 1, 96, 1]) == [[1, 3], [0, 2, 4]]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        lengths = torch.randint(1, 200, (n,), generator=gen).tolist()
+        buckets = _length_buckets(lengths)
+        assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+        for b in buckets:
+            real = sum(lengths[i] for i in b)
+            assert len(b) * max(lengths[i] for i in b) <= 1.25 * real + 16
+
+
+def test_bucketed_prefill_mixed_cached_rows_match_recompute(tiny_model_dir: Path, tokenizer) -> None:
+    """Rows with stored prefixes (1-token suffixes) batched with long uncached ones: several prefill
+    buckets merged into one decode batch give the log-probs of a full recompute."""
+    eng = HFEngine(load_model(tiny_model_dir), tokenizer)
+    first = _contexts(tokenizer, [30, 9])
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    out = eng.generate(first, params, generator=torch.Generator().manual_seed(1))
+    # Continue the first two (stored: short suffix) next to fresh long contexts.
+    fresh = _contexts(tokenizer, [1, 1, 40, 27])[2:]  # other offsets: no prefix shared with `first`
+    contexts = [c + g.tokens for c, g in zip(first, out, strict=True)] + fresh
+    gens = eng.generate(contexts, params, generator=torch.Generator().manual_seed(2))
+    assert [g.prefill_tokens for g in gens[:2]] == [1, 1]
+    assert [g.prefill_tokens for g in gens[2:]] == [40, 27]
+    assert len(_length_buckets([g.prefill_tokens for g in gens])) == 2
+    for ctx, g in zip(contexts, gens, strict=True):
+        lp, _ = _reference(eng.model, ctx, g.tokens)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(lp), atol=1e-5, rtol=0)
 
 
 def test_tiny_top_p_is_greedy(engine: HFEngine, tokenizer) -> None:

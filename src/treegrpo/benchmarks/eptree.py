@@ -248,7 +248,7 @@ def rl_runs(
                     "dump_rollouts_every": 0,
                     "tensorboard": False,
                     "seed": seed,
-                    "threads": threads,
+                    "threads": threads or 0,
                     "out_dir": str(Path(tmp) / name.replace("+", "_")),
                     **kw,
                 }

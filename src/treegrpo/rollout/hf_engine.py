@@ -1,9 +1,9 @@
 """A ``transformers`` engine: batched, KV-cached sampling of one agent step per context, with
 prefix KV reuse.
 
-One :meth:`HFEngine.generate` call runs all contexts as one left-padded batch (chunked by
+One :meth:`HFEngine.generate` call runs all contexts as one batch (chunked by
 ``max_batch_size``): a prefill over the contexts' uncached suffixes, then an incremental decode
-loop with a :class:`~transformers.DynamicCache`. Position ids are always passed explicitly
+loop with a :class:`~transformers.DynamicCache`, one forward per step for the whole batch. Position ids are always passed explicitly
 (``cumsum(attention_mask) - 1``), so a padded row sees exactly the positions it would see alone.
 Rows that finish are dropped from the batch (and from the KV cache), and the loop ends as soon as
 every row has finished; the decode step itself has no per-row Python loop.
@@ -26,6 +26,17 @@ A row's cached prefix is copied from the tree into a padded batch cache (cached 
 in the cache region, uncached suffix right-aligned in the query block, holes masked); the
 attention mask and ``cumsum`` position ids make this exactly the computation of the full
 context (log-probs equal a full recompute to float rounding, ~1e-6 in float32).
+
+**Bucketed prefill.** With reuse, suffix lengths in one batch differ a lot (a row whose prefix is
+stored runs 1 token, its neighbour ~100), so one left-padded prefill would mostly run padding.
+The prefill is therefore split into length buckets (:func:`_length_buckets`): rows sorted by
+suffix length, longest first, are grouped greedily, a row joining the current bucket as long as
+the bucket's padded size (rows x longest suffix) stays within ``_BUCKET_PAD_RATIO`` (1.25) x its
+real tokens plus ``_BUCKET_PAD_SLACK`` (16) positions (a little slack so near-equal short suffixes
+share a forward rather than paying one forward each). Each bucket is prefilled in its own
+forward; the buckets' caches and masks are then left-padded to a common width and merged back
+into the original row order, so the decode loop (and the sampling draws) is exactly that of one
+batch.
 
 *What is counted* — :attr:`Generation.prefill_tokens` is the number of non-pad positions the
 model ran for that request in prefill forwards: its own uncached suffix, plus the tokens of any
@@ -74,6 +85,11 @@ __all__ = ["HFEngine"]
 # Finish-reason codes used on tensors inside the decode loop.
 _RUNNING, _STOP, _EOS, _LENGTH = 0, 1, 2, 3
 _REASONS: dict[int, FinishReason] = {_STOP: "stop", _EOS: "eos", _LENGTH: "length"}
+
+# Prefill bucketing (module docstring): a bucket's padded positions stay within
+# ``_BUCKET_PAD_RATIO * real + _BUCKET_PAD_SLACK``.
+_BUCKET_PAD_RATIO = 1.25
+_BUCKET_PAD_SLACK = 16
 
 Tokens = tuple[int, ...]
 
@@ -144,6 +160,58 @@ def _sample(
             torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
         )
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _length_buckets(
+    lengths: Sequence[int], ratio: float = _BUCKET_PAD_RATIO, slack: int = _BUCKET_PAD_SLACK
+) -> list[list[int]]:
+    """Group row indices for bucketed prefill. Rows are taken longest first; a row joins the
+    current bucket (whose width is its first, longest row) while ``rows * width <= ratio * real +
+    slack`` holds, ``real`` being the bucket's total length; otherwise it opens a new bucket. So
+    every bucket's padding is at most ``(ratio - 1) * real + slack`` positions. Buckets come out
+    longest first, indices within a bucket in decreasing length (ties by index)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    buckets: list[list[int]] = []
+    width = real = 0
+    for i in order:
+        n = lengths[i]
+        if buckets and (len(buckets[-1]) + 1) * width <= ratio * (real + n) + slack:
+            buckets[-1].append(i)
+            real += n
+        else:
+            buckets.append([i])
+            width = real = n
+    return buckets
+
+
+def _merge_prefills(
+    parts: Sequence[tuple[list[int], torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]],
+    b: int,
+    config: Any,
+) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+    """Merge per-bucket prefills ``(row indices, logits, cache, next_pos, mask)`` into one batch of
+    ``b`` rows in original row order: caches and masks are left-padded (masked) to a common width.
+
+    Returns the merged logits ``(b, V)``, cache, next positions ``(b,)`` and attention mask."""
+    width = max(mask.shape[1] for _, _, _, _, mask in parts)
+    ref_logits, ref_cache, ref_mask = parts[0][1], parts[0][2], parts[0][4]
+    logits = ref_logits.new_empty((b, ref_logits.shape[1]))
+    next_pos = parts[0][3].new_empty((b,))
+    mask = ref_mask.new_zeros((b, width))
+    kv = []
+    for layer in ref_cache.layers:
+        shape = (b, layer.keys.shape[1], width, layer.keys.shape[3])
+        kv.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
+    for idx, lg, cache, pos, msk in parts:
+        sel = torch.tensor(idx, dtype=torch.long, device=lg.device)
+        w = msk.shape[1]
+        logits[sel] = lg
+        next_pos[sel] = pos
+        mask[sel, width - w :] = msk
+        for (keys, values), layer in zip(kv, cache.layers, strict=True):
+            keys[sel, :, width - w :] = layer.keys
+            values[sel, :, width - w :] = layer.values
+    return logits, DynamicCache(ddp_cache_data=kv, config=config), next_pos, mask
 
 
 def _supports_prefix_reuse(model: torch.nn.Module) -> bool:
@@ -430,22 +498,34 @@ class HFEngine:
 
     # -- batch assembly, prefill, decode -----------------------------------------------------------
 
-    def _assemble(
+    def _lookup(
         self, seqs: Sequence[Tokens], limits: Sequence[int], reuse: bool
+    ) -> list[tuple[int, list[torch.Tensor]]]:
+        """Each row's longest stored prefix (at most ``limits[r]`` tokens): length and KV segments."""
+        if not reuse:
+            return [(0, [])] * len(seqs)
+        return [self.prefix_cache.lookup(s, lim) for s, lim in zip(seqs, limits, strict=True)]
+
+    def _assemble(
+        self,
+        seqs: Sequence[Tokens],
+        limits: Sequence[int],
+        reuse: bool,
+        found: Sequence[tuple[int, list[torch.Tensor]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, DynamicCache | None, list[int]]:
         """Build one padded batch: each row's longest stored prefix (at most ``limits[r]`` tokens)
         goes into a batch cache, right-aligned in a cache region of width ``P``; its uncached suffix
         is right-aligned in a query block of width ``S``. The attention mask (width ``P + S``) marks
         real positions; the holes between the two parts are masked.
 
+        ``found`` (:meth:`_lookup`'s result for these rows) skips the lookup.
+
         Returns:
             suffix ids ``(B, S)``, attention mask ``(B, P + S)``, the batch cache (``None`` when
             nothing was reused) and each row's number of reused tokens.
         """
-        if reuse:
-            found = [self.prefix_cache.lookup(s, lim) for s, lim in zip(seqs, limits, strict=True)]
-        else:
-            found = [(0, [])] * len(seqs)
+        if found is None:
+            found = self._lookup(seqs, limits, reuse)
         cached = [n for n, _ in found]
         b = len(seqs)
         p = max(cached)
@@ -514,6 +594,30 @@ class HFEngine:
         next_pos = attention_mask.long().sum(dim=-1)
         return logits, cache, next_pos
 
+    def _bucketed_prefill(
+        self,
+        contexts: Sequence[Tokens],
+        limits: Sequence[int],
+        reuse: bool,
+        found: Sequence[tuple[int, list[torch.Tensor]]],
+        suffix_lens: Sequence[int],
+    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """Prefill the batch one length bucket at a time (:func:`_length_buckets`) and merge the
+        results, in row order, into one decode batch. Returns logits, cache, next positions, mask."""
+        buckets = _length_buckets(suffix_lens)
+        if len(buckets) == 1:
+            ids, mask, cache, _ = self._assemble(contexts, limits, reuse, found)
+            logits, cache, next_pos = self._prefill(ids, mask, cache)
+            return logits, cache, next_pos, mask
+        parts = []
+        for idx in buckets:
+            ids, mask, cache, _ = self._assemble(
+                [contexts[i] for i in idx], [limits[i] for i in idx], reuse, [found[i] for i in idx]
+            )
+            logits, cache, next_pos = self._prefill(ids, mask, cache)
+            parts.append((idx, logits, cache, next_pos, mask))
+        return _merge_prefills(parts, len(contexts), getattr(self.model, "config", None))
+
     def _generate_batch(
         self,
         contexts: Sequence[Tokens],
@@ -525,9 +629,11 @@ class HFEngine:
         device = self.device
         b = len(contexts)
         # The last context token is always run: its logits give the first sampled token.
-        ids, mask, cache, cached = self._assemble(contexts, [len(c) - 1 for c in contexts], reuse)
-        logits, cache, next_pos = self._prefill(ids, mask, cache)
+        limits = [len(c) - 1 for c in contexts]
+        found = self._lookup(contexts, limits, reuse)
+        cached = [n for n, _ in found]
         prefill_tokens = [len(c) - k for c, k in zip(contexts, cached, strict=True)]
+        logits, cache, next_pos, mask = self._bucketed_prefill(contexts, limits, reuse, found, prefill_tokens)
         store = reuse and self.prefix_cache.max_bytes != 0
 
         max_new = params.max_new_tokens

@@ -121,9 +121,9 @@ class TrainConfig(BaseModel):
     )
 
     # -- optimisation ------------------------------------------------------------------------------
-    steps: int = Field(60, ge=0, description="RL steps.")
+    steps: int = Field(200, ge=0, description="RL steps.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
-    lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate.")
+    lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
@@ -133,12 +133,12 @@ class TrainConfig(BaseModel):
     )
 
     # -- evaluation, logging, checkpoints ---------------------------------------------------------
-    eval_every: int = Field(20, ge=0, description="Evaluate every N steps (0: only at start and end).")
+    eval_every: int = Field(40, ge=0, description="Evaluate every N steps (0: only at start and end).")
     eval_prompts: int = Field(128, ge=1, description="Held-out prompts per evaluation.")
     eval_sampled: bool = Field(True, description="Also evaluate with sampling at T=1 (besides greedy).")
-    save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    save_every: int = Field(40, ge=0, description="Checkpoint every N steps (0: only at the end).")
     dump_rollouts_every: int = Field(
-        20, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
+        40, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
     )
     out_dir: str = Field("runs/tree", description="Where metrics, checkpoints and rollouts go (default: runs/<sampler>).")
     resume: bool = Field(False, description="Resume from out_dir/checkpoint if it exists.")
