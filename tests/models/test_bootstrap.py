@@ -37,6 +37,7 @@ TINY = BootstrapConfig(
     kv_heads=1,
     intermediate_size=64,
     max_positions=512,
+    max_context_tokens=512,
     epochs=1,
     batch_size=16,
     n_eval=8,
@@ -83,7 +84,7 @@ def test_bootstrap_end_to_end(tiny_folder: Path):
 
 
 def test_encoded_demo_matches_the_agent_loop(parts):
-    world, env, demos, tok = parts
+    _world, env, demos, tok = parts
     cfg = AgentConfig(max_obs_tokens=40, use_chat_template=False)
     runner = StepRunner(None, env, tok, cfg)  # type: ignore[arg-type]
     demo = next(d for d in demos if sum(o is not None for _, o in d.steps) >= 2)
@@ -110,7 +111,7 @@ def test_encoded_demo_matches_the_agent_loop(parts):
 
 
 def test_loss_is_on_policy_tokens_only(parts):
-    world, env, demos, tok = parts
+    _world, env, demos, tok = parts
     runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
     enc = [encode_demo(runner, d) for d in demos[:4]]
     batch = bs._collate(enc, tok.pad_token_id)

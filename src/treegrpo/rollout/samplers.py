@@ -11,6 +11,7 @@ prompt and tree per turn, so their costs are measured by the same counters.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -102,13 +103,9 @@ def sample_chains(
     rng: random.Random,
     generator: torch.Generator | None = None,
 ) -> RolloutResult:
-    """G independent chains per prompt, all prompts batched per turn."""
-    t0 = time.perf_counter()
-    forests, cursors = _initialize(runner, tasks, cfg.group_size)
-    budgets = [Budget() for _ in tasks]
-    calls = runner.run_turns(cursors, budgets, generator)
-    release_engine_cache(runner.engine)  # the rollout is over: free its prefix KV (if any)
-    return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
+    """G independent chains per prompt, all prompts batched per turn: the tree sampler with
+    M = G and no expansion round, so both modes share one code path and one set of counters."""
+    return sample_trees(runner, tasks, dataclasses.replace(cfg, m=cfg.group_size, l=0), rng, generator)
 
 
 def _mean_surprise(node: Node) -> float:
