@@ -113,22 +113,39 @@ def test_encoded_demo_matches_the_agent_loop(parts):
 def test_loss_is_on_policy_tokens_only(parts):
     _world, env, demos, tok = parts
     runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
-    enc = [encode_demo(runner, d) for d in demos[:4]]
-    batch = bs._collate(enc, tok.pad_token_id)
+    enc = [encode_demo(runner, d) for d in demos[:6]]
+    assert any(sum(o is not None for _, o in d.steps) >= 2 for d in demos[:6])
+    batch = bs._collate(enc, tok.pad_token_id, decision_weight=3.0)
+    decisions = 0
     for r, e in enumerate(enc):
-        labels = batch["labels"][r, : len(e.ids)].tolist()
+        n = len(e.ids)
+        labels = batch["labels"][r, :n].tolist()
         assert labels == [t if m else -100 for t, m in zip(e.ids, e.policy_mask, strict=True)]
-        assert set(batch["labels"][r, len(e.ids) :].tolist()) <= {-100}
+        assert set(batch["labels"][r, n:].tolist()) <= {-100}
+        w = batch["weights"][r, :n].tolist()
+        first = e.policy_mask.index(1)
+        for t in range(n):
+            if not e.policy_mask[t]:
+                assert w[t] == 0.0
+            elif t > first and not e.policy_mask[t - 1]:  # search on / answer now, after an observation
+                assert w[t] == 3.0 and tok.convert_ids_to_tokens(e.ids[t]) in ("<search>", "<answer>")
+                decisions += 1
+            else:
+                assert w[t] == 1.0
+    assert decisions > 0
     model = bs.build_model(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64)
     loss = bs.policy_token_loss(model, batch)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    terms = [
-        -torch.log_softmax(logits[r, t - 1], -1)[e.ids[t]]
-        for r, e in enumerate(enc)
-        for t in range(1, len(e.ids))
-        if e.policy_mask[t]
-    ]
-    assert torch.allclose(loss, torch.stack(terms).mean(), atol=1e-5)
+    terms, weights = [], []
+    for r, e in enumerate(enc):
+        for t in range(1, len(e.ids)):
+            if e.policy_mask[t]:
+                terms.append(-torch.log_softmax(logits[r, t - 1], -1)[e.ids[t]])
+                weights.append(float(batch["weights"][r, t]))
+    w = torch.tensor(weights)
+    assert torch.allclose(loss, (torch.stack(terms) * w).sum() / w.sum(), atol=1e-5)
+    plain = {k: v for k, v in batch.items() if k != "weights"}
+    assert torch.allclose(bs.policy_token_loss(model, plain), torch.stack(terms).mean(), atol=1e-5)
 
 
 def test_demo_imperfections(parts):

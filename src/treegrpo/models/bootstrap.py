@@ -86,6 +86,9 @@ class BootstrapConfig:
             of the steps, then a constant rate, then a cosine decay to 0 over the last
             ``lr_decay_frac`` of the steps after warm-up (1.0 = plain cosine). A constant phase
             matters: copying names from the context emerges abruptly after a few hundred steps.
+        decision_weight: loss weight of the first token of each step after an observation
+            (``<search>`` vs ``<answer>``: search on or answer now). One token per step carries the
+            decision; without the weight the warm-up learns its marginal rate, not when to stop.
         n_eval: eval questions used to measure the warm-up (``None`` = the whole eval split).
         eval_batch_size: contexts per engine forward batch while measuring.
         threads: torch intra-op threads while bootstrapping (restored afterwards; ``None`` = leave
@@ -120,6 +123,7 @@ class BootstrapConfig:
     weight_decay: float = 0.01
     warmup_frac: float = 0.05
     lr_decay_frac: float = 0.25
+    decision_weight: float = 5.0
     grad_clip: float = 1.0
     n_eval: int | None = None
     eval_batch_size: int | None = None
@@ -187,7 +191,9 @@ def answer_text(answer: str) -> str:
     return f"<answer> {answer} </answer>"
 
 
-def make_demos(world: World, env: SearchEnv, tasks: Sequence[Task], cfg: BootstrapConfig, rng: random.Random) -> list[Demo]:
+def make_demos(
+    world: World, env: SearchEnv, tasks: Sequence[Task], cfg: BootstrapConfig, rng: random.Random
+) -> list[Demo]:
     """Imperfect demonstrations for ``tasks``, observations from the real ``env``.
 
     Each demo walks the task's relation chain: search the current entity, read the relation's
@@ -195,45 +201,59 @@ def make_demos(world: World, env: SearchEnv, tasks: Sequence[Task], cfg: Bootstr
     guess without searching (``p_guess``), answer early with the bridge entity just found
     (``p_shortcut``), or search another entity named in the last observation (``p_bad_query``)
     and answer with a name that entity's passage gives. Every name a demo writes is copied from
-    the question or an observation, except a guess.
+    the question or an observation, except a guess. Searches are batched hop by hop.
     """
     by_type: dict[str, list[str]] = {}
     for name, e in world.entities.items():
         by_type.setdefault(e.type, []).append(name)
-    demos: list[Demo] = []
+
+    @dataclass
+    class _Walk:
+        demo: Demo
+        current: str
+        last_obs: str = ""
+        done: bool = False
+
+    walks: list[_Walk] = []
     for task in tasks:
         for _ in range(cfg.demos_per_question):
-            rels: list[str] = task.meta["relations"]
             if rng.random() < cfg.p_guess:
-                guess = rng.choice(by_type[RELATIONS[rels[-1]][1]])
-                demos.append(Demo(task, [(answer_text(guess), None)], "guess"))
+                guess = rng.choice(by_type[RELATIONS[task.meta["relations"][-1]][1]])
+                walks.append(_Walk(Demo(task, [(answer_text(guess), None)], "guess"), guess, done=True))
+            else:
+                walks.append(_Walk(Demo(task, [], "correct"), task.meta["start"]))
+    for k in range(max((len(t.meta["relations"]) for t in tasks), default=0)):
+        active = [w for w in walks if not w.done and k < len(w.demo.task.meta["relations"])]
+        queries: list[str] = []
+        for w in active:
+            query = w.current
+            if k > 0 and rng.random() < cfg.p_bad_query:
+                queried = w.demo.task.meta["queries"]
+                others = [n for n in world.names_in(w.last_obs) if n != w.current and n not in queried]
+                if others:
+                    query, w.demo.kind = rng.choice(others), "bad_query"
+            queries.append(query)
+        steps = [search_text(q) for q in queries]
+        outs = env.step([w.demo.task for w in active], steps, [True] * len(active))
+        for w, query, step, out in zip(active, queries, steps, outs, strict=True):
+            w.last_obs = out.observation or ""
+            w.demo.steps.append((step, out.observation))
+            rels = w.demo.task.meta["relations"]
+            if query != w.current:  # on a wrong track: answer with what that passage names
+                named = [n for n in world.names_in(world.doc(query).text) if n != query]
+                w.current, w.done = (named[0] if named else query), True
                 continue
-            steps: list[tuple[str, str | None]] = []
-            kind = "correct"
-            current = task.meta["start"]
-            last_obs = ""
-            for k, rel in enumerate(rels):
-                query = current
-                if k > 0 and rng.random() < cfg.p_bad_query:
-                    others = [n for n in world.names_in(last_obs) if n != current and n not in task.meta["queries"]]
-                    if others:
-                        query, kind = rng.choice(others), "bad_query"
-                step = search_text(query)
-                (out,) = env.step([task], [step], [True])
-                last_obs = out.observation or ""
-                steps.append((step, out.observation))
-                if query != current:  # on a wrong track: answer with what that passage names
-                    named = [n for n in world.names_in(world.doc(query).text) if n != query]
-                    current = named[0] if named else query
-                    break
-                current = world.entities[query].relations[rel]
-                if k < len(rels) - 1 and rng.random() < cfg.p_shortcut:
-                    kind = "shortcut"
-                    break
-            steps.append((answer_text(current), None))
-            demos.append(Demo(task, steps, kind))
-    for d in demos:
-        (out,) = env.step([d.task], [d.steps[-1][0]], [False])
+            w.current = world.entities[query].relations[rels[k]]
+            if k == len(rels) - 1:
+                w.done = True
+            elif rng.random() < cfg.p_shortcut:
+                w.demo.kind, w.done = "shortcut", True
+    for w in walks:
+        if w.demo.kind != "guess":
+            w.demo.steps.append((answer_text(w.current), None))
+    demos = [w.demo for w in walks]
+    finals = env.step([d.task for d in demos], [d.steps[-1][0] for d in demos], [False] * len(demos))
+    for d, out in zip(demos, finals, strict=True):
         d.reward = float(out.reward or 0.0)
     return demos
 
@@ -287,24 +307,35 @@ def _batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> lis
     return batches
 
 
-def _collate(encoded: Sequence[EncodedDemo], pad_id: int) -> dict[str, torch.Tensor]:
+def _collate(encoded: Sequence[EncodedDemo], pad_id: int, decision_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ids, attention mask, positions, labels (-100 off the policy) and
+    per-token loss weights (``decision_weight`` on the first token of every step that follows an
+    observation — where the policy chooses to search on or to answer — 1 on other policy tokens)."""
     width = max(len(e.ids) for e in encoded)
     n = len(encoded)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     att = torch.zeros((n, width), dtype=torch.long)
     lab = torch.full((n, width), -100, dtype=torch.long)
+    wts = torch.zeros((n, width), dtype=torch.float32)
     for r, e in enumerate(encoded):
         t = torch.tensor(e.ids, dtype=torch.long)
         ids[r, : len(e.ids)] = t
         att[r, : len(e.ids)] = 1
         m = torch.tensor(e.policy_mask, dtype=torch.bool)
         lab[r, : len(e.ids)] = torch.where(m, t, torch.full_like(t, -100))
+        w = m.float()
+        if decision_weight != 1.0 and len(e.ids) > 1:
+            starts = m[1:] & ~m[:-1]  # a policy token right after a non-policy one ...
+            starts &= torch.cumsum(m.long(), 0)[:-1] > 0  # ... that is not the first step's
+            w[1:] = torch.where(starts, torch.full_like(w[1:], decision_weight), w[1:])
+        wts[r, : len(e.ids)] = w
     pos = torch.arange(width).unsqueeze(0).expand(n, width)
-    return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "labels": lab}
+    return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "labels": lab, "weights": wts}
 
 
 def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over policy tokens only (labels are -100 elsewhere).
+    """Next-token cross-entropy over policy tokens only (labels are -100 elsewhere), weighted by
+    ``batch["weights"]`` when present (a weighted mean), else a plain mean.
 
     Logits are computed at the policy positions only (most positions are prompt and observation
     tokens, so this skips most of the output layer's work)."""
@@ -312,16 +343,16 @@ def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     sel = labels != -100
     base = getattr(model, "model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     if isinstance(base, torch.nn.Module) and head is not None:
-        hidden = base(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).last_hidden_state
-        logits = head(hidden[:, :-1][sel])
+        logits = head(base(**kwargs).last_hidden_state[:, :-1][sel])
     else:  # any other causal LM: full logits
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).logits[:, :-1][sel]
-    return torch.nn.functional.cross_entropy(logits.float(), labels[sel])
+        logits = model(**kwargs).logits[:, :-1][sel]
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels[sel], reduction="none")
+    if "weights" not in batch:
+        return ce.mean()
+    w = batch["weights"][:, 1:][sel]
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
 
 
 def supervised_warmup(
@@ -360,7 +391,7 @@ def supervised_warmup(
     for step, idx in enumerate(plan):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = policy_token_loss(model, _collate([encoded[i] for i in idx], pad_id))
+        loss = policy_token_loss(model, _collate([encoded[i] for i in idx], pad_id, cfg.decision_weight))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -631,6 +662,8 @@ def load_setup(folder: str | Path) -> BootstrapSetup:
 
 __all__ = [
     "BootstrapConfig",
+    "aux_demo_tasks",
+    "aux_worlds",
     "BootstrapSetup",
     "Demo",
     "EncodedDemo",
@@ -646,5 +679,6 @@ __all__ = [
     "make_demos",
     "make_env",
     "measure_policy",
+    "policy_token_loss",
     "supervised_warmup",
 ]
