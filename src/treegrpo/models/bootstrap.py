@@ -108,7 +108,7 @@ class BootstrapConfig:
     p_guess: float = 0.0
     p_shortcut: float = 0.6
     p_bad_query: float = 0.05
-    demos_per_question: int = 2
+    demos_per_question: int = 1
     aux_worlds: int = 6
     vocab_size: int = 3000
     hidden_size: int = 96
@@ -117,13 +117,13 @@ class BootstrapConfig:
     kv_heads: int = 2
     intermediate_size: int = 256
     max_positions: int = 1024
-    epochs: float = 3
+    epochs: float = 6
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_frac: float = 0.05
     lr_decay_frac: float = 0.25
-    decision_weight: float = 5.0
+    decision_weight: float = 1.0
     grad_clip: float = 1.0
     n_eval: int | None = None
     eval_batch_size: int | None = None
