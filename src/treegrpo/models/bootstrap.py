@@ -662,11 +662,11 @@ def load_setup(folder: str | Path) -> BootstrapSetup:
 
 __all__ = [
     "BootstrapConfig",
-    "aux_demo_tasks",
-    "aux_worlds",
     "BootstrapSetup",
     "Demo",
     "EncodedDemo",
+    "aux_demo_tasks",
+    "aux_worlds",
     "bootstrap",
     "default_model_dir",
     "demo_texts",
