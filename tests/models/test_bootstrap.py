@@ -80,7 +80,9 @@ def test_bootstrap_end_to_end(tiny_folder: Path):
     setup = load_setup(tiny_folder)
     assert setup.env.topk == TINY.topk and setup.env.prompt_template == "minimal"
     assert setup.agent.max_obs_tokens == TINY.max_obs_tokens
-    assert [t.question for t in setup.world.tasks("eval")] == [t.question for t in build_world(PRESETS["tiny"]).tasks("eval")]
+    assert [t.question for t in setup.world.tasks("eval")] == [
+        t.question for t in build_world(PRESETS["tiny"]).tasks("eval")
+    ]
 
 
 def test_encoded_demo_matches_the_agent_loop(parts):
@@ -148,6 +150,31 @@ def test_loss_is_on_policy_tokens_only(parts):
     assert torch.allclose(bs.policy_token_loss(model, plain), torch.stack(terms).mean(), atol=1e-5)
 
 
+def test_packed_batch_equals_separate_rows(parts):
+    _world, env, demos, tok = parts
+    runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
+    enc = [encode_demo(runner, d) for d in demos[:12]]
+    lengths = [len(e.ids) for e in enc]
+    rows = bs._pack(lengths, list(range(len(enc))), 160)
+    assert sorted(i for r in rows for i in r) == list(range(len(enc)))
+    assert all(sum(lengths[i] for i in r) <= max(160, *(lengths[i] for i in r)) for r in rows)
+    assert len(rows) < len(enc)  # several demos share a row
+    model = bs.build_model(len(tok), hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64)
+    packed = bs._collate_packed(enc, rows, tok.pad_token_id, 3.0)
+    separate = bs._collate(enc, tok.pad_token_id, 3.0)
+    assert torch.allclose(
+        bs.policy_token_loss(model, packed), bs.policy_token_loss(model, separate), atol=1e-5
+    )
+    assert int((packed["labels"] != -100).sum()) == int((separate["labels"] != -100).sum())
+
+
+def test_batches_are_random_not_length_sorted():
+    rng = random.Random(0)
+    batches = bs._batches(100, 10, rng)
+    assert sorted(i for b in batches for i in b) == list(range(100))
+    assert any(b != sorted(b) for b in batches) and batches[0] != list(range(10))
+
+
 def test_demo_imperfections(parts):
     world, env, _, _ = parts
     tasks = world.tasks("warmup")
@@ -164,7 +191,10 @@ def test_demo_imperfections(parts):
             assert d.steps[-1][0] == f"<answer> {d.task.meta['bridges'][0]} </answer>"
 
     guess = dataclasses.replace(perfect, p_guess=1.0)
-    assert all(len(d.steps) == 1 and d.kind == "guess" for d in make_demos(world, env, tasks, guess, random.Random(0)))
+    assert all(
+        len(d.steps) == 1 and d.kind == "guess"
+        for d in make_demos(world, env, tasks, guess, random.Random(0))
+    )
 
 
 def test_aux_worlds_share_names_not_facts():
@@ -196,6 +226,10 @@ def test_cli_prints_recorded_success(tiny_folder: Path):
 
     res = CliRunner().invoke(app, ["bootstrap", "--out", str(tiny_folder), "--preset", "tiny"])
     assert res.exit_code == 0, res.output
-    assert "already bootstrapped" in res.output and "sampled: success" in res.output and "greedy: success" in res.output
+    assert (
+        "already bootstrapped" in res.output
+        and "sampled: success" in res.output
+        and "greedy: success" in res.output
+    )
     bad = CliRunner().invoke(app, ["bootstrap", "--preset", "nope"])
     assert bad.exit_code == 2

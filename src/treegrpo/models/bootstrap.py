@@ -2,19 +2,23 @@
 supervised warm-up, measured through the real agent loop.
 
 The warm-up teaches the *protocol* (``<search> name </search>``, copy the entity a passage names
-into the next query or the answer) from demonstrations on the world's ``warmup`` split that are
-deliberately imperfect, so the starting policy solves some questions but far from all, and the
-failure is a *choice* RL can fix:
+into the next query or the answer) from demonstrations that are deliberately imperfect, so the
+starting policy solves some questions but far from all, and the failure is a *choice* RL can fix:
 
-- ``p_guess``: answer at once, without searching, with a random entity of the right type;
 - ``p_shortcut``: on a multi-hop question, answer with the bridge entity just found instead of
   searching it (per intermediate hop) — "answering too early";
-- ``p_bad_query``: search a wrong entity of the right type (a copy slip), then follow that one.
+- ``p_bad_query``: search another entity named in the last observation, and answer with what
+  that passage names (a copy slip);
+- ``p_guess`` (off by default): answer at once, without searching, with a random entity.
 
-Demonstrations are encoded exactly as the agent loop builds a context
-(:meth:`~treegrpo.rollout.agent.StepRunner.prompt_ids`, then per step the step's ids — loss on —
-and the observation's ids from the real :class:`~treegrpo.envs.search.SearchEnv`, truncated to
-``max_obs_tokens`` — loss off), so the policy is trained on the very token sequences it will see.
+Demonstrations come from the world's ``warmup`` split and from ``aux_worlds`` extra worlds with
+the same entity names but other relations (the warm-up must learn to *copy* names, not memorize
+facts; no target train/eval question is used). They are encoded exactly as the agent loop builds
+a context (:meth:`~treegrpo.rollout.agent.StepRunner.prompt_ids`, then per step the step's ids —
+loss on — and the observation's ids from the real :class:`~treegrpo.envs.search.SearchEnv`,
+truncated to ``max_obs_tokens`` — loss off), so the policy is trained on the very token sequences
+it will see. Batches are random (not length-bucketed: a demo's length gives away its
+search-or-answer decisions) and packed into rows with block-diagonal attention.
 
 The folder is written atomically (built in a temp folder beside it, then renamed) with
 :func:`~treegrpo.models.tiny.save_tiny`; its ``treegrpo_tiny.json`` records the world, the env and
@@ -54,7 +58,7 @@ from treegrpo.models.tiny import (
 )
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 
-BOOTSTRAP_VERSION = 1  # bump when the recipe changes, so cached folders are rebuilt
+BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are rebuilt
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class BootstrapConfig:
             (:class:`~treegrpo.rollout.agent.AgentConfig`) demos are encoded with and evaluation uses.
         p_guess: a demo answers without searching (a random entity of the answer's type).
         p_shortcut: per intermediate hop, a multi-hop demo answers with the bridge entity it just found.
-        p_bad_query: per search, a demo searches a wrong entity of the right type and follows it.
+        p_bad_query: per search after the first, a demo searches another entity named in the last
+            observation, then answers with a name that entity's passage gives.
         demos_per_question: demonstrations drawn per warm-up question, with independent
             imperfections: the same question is seen both continued and cut short, so the policy
             learns a *probability* of answering early instead of memorizing one choice per question.
@@ -81,7 +86,9 @@ class BootstrapConfig:
         vocab_size: BPE vocabulary size of the tokenizer.
         hidden_size / layers / heads / kv_heads / intermediate_size / max_positions: the Qwen2 shape.
         epochs: passes over the demonstrations (may be fractional).
-        batch_size: demonstrations per optimizer step (length-bucketed, right-padded).
+        batch_size: demonstrations per optimizer step (drawn at random, not length-bucketed).
+        pack_len: demos of a batch are packed into rows of this many tokens (block-diagonal
+            attention, positions restarting per demo); 0 = one right-padded demo per row.
         lr / weight_decay / warmup_frac / grad_clip: AdamW with a linear warm-up over ``warmup_frac``
             of the steps, then a constant rate, then a cosine decay to 0 over the last
             ``lr_decay_frac`` of the steps after warm-up (1.0 = plain cosine). A constant phase
@@ -106,7 +113,7 @@ class BootstrapConfig:
     max_obs_tokens: int = 160
     max_context_tokens: int = 1024
     p_guess: float = 0.0
-    p_shortcut: float = 0.6
+    p_shortcut: float = 0.7
     p_bad_query: float = 0.05
     demos_per_question: int = 1
     aux_worlds: int = 6
@@ -119,6 +126,7 @@ class BootstrapConfig:
     max_positions: int = 1024
     epochs: float = 6
     batch_size: int = 32
+    pack_len: int = 256
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_frac: float = 0.05
@@ -286,7 +294,8 @@ def aux_worlds(cfg: BootstrapConfig) -> list[World]:
     base = cfg.world_config()
     names = base.seed if base.name_seed is None else base.name_seed
     return [
-        build_world(replace(base, seed=base.seed + 1_000_003 * (i + 1), name_seed=names)) for i in range(cfg.aux_worlds)
+        build_world(replace(base, seed=base.seed + 1_000_003 * (i + 1), name_seed=names))
+        for i in range(cfg.aux_worlds)
     ]
 
 
@@ -299,15 +308,71 @@ def aux_demo_tasks(world: World, target: World) -> list[Task]:
 # --------------------------------------------------------------------------- supervised warm-up
 
 
-def _batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """Length-bucketed batches (little padding), in a shuffled order."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    rng.shuffle(batches)
-    return batches
+def _batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One shuffled epoch of random batches.
+
+    Not length-bucketed on purpose: a demo's length says whether it searched on or answered, so
+    length-sorted batches carry correlated decision labels and whipsaw the search-or-answer logit
+    (the warm-up then learns a context-free answering rate instead of *when* to stop). Packing
+    keeps the padding low instead.
+    """
+    order = list(range(n))
+    rng.shuffle(order)
+    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
-def _collate(encoded: Sequence[EncodedDemo], pad_id: int, decision_weight: float = 1.0) -> dict[str, torch.Tensor]:
+def _pack(lengths: Sequence[int], idx: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit-decreasing packing of demos ``idx`` into rows of ``row_len`` tokens (a longer
+    demo gets a row of its own)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(idx, key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - lengths[i])
+    return rows
+
+
+def _collate_packed(
+    encoded: Sequence[EncodedDemo], rows: Sequence[Sequence[int]], pad_id: int, decision_weight: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Like :func:`_collate`, several demos per row: positions restart at 0 for each demo and a 4D
+    additive attention mask keeps every demo causal and blind to the others in its row."""
+    singles = [[encoded[i] for i in row] for row in rows]
+    flat = _collate([e for row in singles for e in row], pad_id, decision_weight)
+    width = max(sum(len(e.ids) for e in row) for row in singles)
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    lab = torch.full((n, width), -100, dtype=torch.long)
+    wts = torch.zeros((n, width), dtype=torch.float32)
+    pos = torch.zeros((n, width), dtype=torch.long)
+    allowed = torch.zeros((n, width, width), dtype=torch.bool)
+    k = 0
+    for r, row in enumerate(singles):
+        start = 0
+        for e in row:
+            m = len(e.ids)
+            ids[r, start : start + m] = flat["input_ids"][k, :m]
+            lab[r, start : start + m] = flat["labels"][k, :m]
+            wts[r, start : start + m] = flat["weights"][k, :m]
+            pos[r, start : start + m] = torch.arange(m)
+            allowed[r, start : start + m, start : start + m] = torch.ones((m, m), dtype=torch.bool).tril()
+            start += m
+            k += 1
+        allowed[r, range(start, width), range(start, width)] = True  # padding sees itself (no empty rows)
+    mask = torch.zeros((n, 1, width, width), dtype=torch.float32)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "labels": lab, "weights": wts}
+
+
+def _collate(
+    encoded: Sequence[EncodedDemo], pad_id: int, decision_weight: float = 1.0
+) -> dict[str, torch.Tensor]:
     """Right-padded batch: ids, attention mask, positions, labels (-100 off the policy) and
     per-token loss weights (``decision_weight`` on the first token of every step that follows an
     observation — where the policy chooses to search on or to answer — 1 on other policy tokens)."""
@@ -369,8 +434,15 @@ def supervised_warmup(
     total = max(1, math.ceil(cfg.epochs * per_epoch))
     plan: list[list[int]] = []
     while len(plan) < total:  # whole shuffled epochs; a fractional last one is cut short
-        plan += _batches(lengths, cfg.batch_size, rng)
+        plan += _batches(len(encoded), cfg.batch_size, rng)
     plan = plan[:total]
+
+    def batch_of(idx: list[int]) -> dict[str, torch.Tensor]:
+        if cfg.pack_len <= 0:
+            return _collate([encoded[i] for i in idx], pad_id, cfg.decision_weight)
+        row_len = max(cfg.pack_len, *(lengths[i] for i in idx))
+        return _collate_packed(encoded, _pack(lengths, idx, row_len), pad_id, cfg.decision_weight)
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warm = max(1, int(cfg.warmup_frac * total))
 
@@ -391,7 +463,7 @@ def supervised_warmup(
     for step, idx in enumerate(plan):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = policy_token_loss(model, _collate([encoded[i] for i in idx], pad_id, cfg.decision_weight))
+        loss = policy_token_loss(model, batch_of(idx))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -437,7 +509,9 @@ def measure_policy(
     engine = HFEngine(model, tokenizer, max_batch_size=max_batch_size)
     runner = StepRunner(engine, env, tokenizer, agent_cfg)
     gen = torch.Generator().manual_seed(seed)
-    res = sample_chains(runner, list(tasks), SamplerConfig(name="chain", group_size=1), random.Random(seed), gen)
+    res = sample_chains(
+        runner, list(tasks), SamplerConfig(name="chain", group_size=1), random.Random(seed), gen
+    )
     n = len(tasks)
     rewards: list[float] = []
     by_hops: dict[int, list[float]] = {}
@@ -480,7 +554,11 @@ def _progress(enabled: bool) -> Iterator[Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=False,
     ) as p:
         yield p
 
@@ -530,7 +608,9 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
         _phase(prog, f"world {world.stats['passages']} passages; {len(demos)} demos")
 
         t = time.perf_counter()
-        tok = wrap_tokenizer(train_tokenizer([*world.texts(), *demo_texts(demos, env)], vocab_size=cfg.vocab_size))
+        tok = wrap_tokenizer(
+            train_tokenizer([*world.texts(), *demo_texts(demos, env)], vocab_size=cfg.vocab_size)
+        )
         runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
         encoded = [encode_demo(runner, d) for d in demos]
         timings["tokenizer_s"] = time.perf_counter() - t
@@ -556,8 +636,12 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
 
         t = time.perf_counter()
         eval_tasks = world.tasks("eval")[: cfg.n_eval] if cfg.n_eval is not None else world.tasks("eval")
-        sampled = measure_policy(model, tok, env, eval_tasks, cfg.agent_config(1.0), cfg.seed, cfg.eval_batch_size)
-        greedy = measure_policy(model, tok, env, eval_tasks, cfg.agent_config(0.0), cfg.seed, cfg.eval_batch_size)
+        sampled = measure_policy(
+            model, tok, env, eval_tasks, cfg.agent_config(1.0), cfg.seed, cfg.eval_batch_size
+        )
+        greedy = measure_policy(
+            model, tok, env, eval_tasks, cfg.agent_config(0.0), cfg.seed, cfg.eval_batch_size
+        )
         timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0
 
