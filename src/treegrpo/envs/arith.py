@@ -418,9 +418,10 @@ def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) ->
         _write_atomically,
         demo_texts,
         encode_demo,
+        model_for,
         supervised_warmup,
     )
-    from treegrpo.models.tiny import build_model, save_tiny
+    from treegrpo.models.tiny import save_tiny
     from treegrpo.rollout.agent import StepRunner
 
     t0 = time.perf_counter()
@@ -434,18 +435,7 @@ def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) ->
         runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
         encoded = [encode_demo(runner, d) for d in demos]
         timings["demos_and_tokenizer_s"] = time.perf_counter() - t0
-        model = build_model(
-            vocab_size=len(tok),
-            hidden_size=cfg.hidden_size,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            intermediate_size=cfg.intermediate_size,
-            max_positions=cfg.max_positions,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            seed=cfg.seed,
-        )
+        model = model_for(cfg, tok)
         n_params = sum(p.numel() for p in model.parameters())
         _phase(prog, f"arith: {len(demos)} demos; vocab {len(tok)}; model {n_params / 1e6:.2f}M params")
 

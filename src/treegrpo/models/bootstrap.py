@@ -305,6 +305,23 @@ def aux_demo_tasks(world: World, target: World) -> list[Task]:
     return [t for s in SPLITS for t in world.tasks(s) if t.question not in held]
 
 
+
+def model_for(cfg: Any, tok: Any) -> torch.nn.Module:
+    """The small Qwen2 a bootstrap config describes (its ``hidden_size``, ``layers``, ``heads``,
+    ``kv_heads``, ``intermediate_size``, ``max_positions`` and ``seed``), sized to ``tok``."""
+    return build_model(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=cfg.max_positions,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        seed=cfg.seed,
+    )
+
 # --------------------------------------------------------------------------- supervised warm-up
 
 
@@ -615,18 +632,7 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
         encoded = [encode_demo(runner, d) for d in demos]
         timings["tokenizer_s"] = time.perf_counter() - t
 
-        model = build_model(
-            vocab_size=len(tok),
-            hidden_size=cfg.hidden_size,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            intermediate_size=cfg.intermediate_size,
-            max_positions=cfg.max_positions,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            seed=cfg.seed,
-        )
+        model = model_for(cfg, tok)
         n_params = sum(p.numel() for p in model.parameters())
         _phase(prog, f"tokenizer vocab {len(tok)}; model {n_params / 1e6:.2f}M params")
 
