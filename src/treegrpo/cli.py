@@ -292,6 +292,58 @@ def bench_eptree_cmd(
     )
 
 
+@bench.command("learn")
+def bench_learn_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/learn.json"), help="Results JSON (plot next to it, .png)."),
+    quick: bool = typer.Option(False, "--quick", help="Budgets 2 and 4 (and the advantage ablation) only."),
+    regime: str = typer.Option("default", help="World preset + RL settings (see benchmarks/README.md)."),
+    world_seed: str = typer.Option("", "--world-seed", help="Comma-separated world seeds (default: the preset's world); each gets its own starting policy."),
+    seeds: int = typer.Option(3, help="RL seeds per configuration (0..K-1), paired across configurations."),
+    jobs: int = typer.Option(2, help="Runs in parallel (one torch thread each)."),
+    steps: int | None = typer.Option(None, help="Override the regime's RL steps."),
+    lr: float | None = typer.Option(None, help="Override the regime's learning rate."),
+    prompts_per_step: int | None = typer.Option(None, help="Override the regime's prompts per step."),
+    eval_every: int | None = typer.Option(None, help="Override the regime's steps between evaluations."),
+    expand_modes: str = typer.Option("random,nonroot,entropy", help="Comma-separated tree pick modes to train."),
+    budgets: str = typer.Option("", help="Comma-separated budgets out of 2,4,8,16 (default: all, or 2,4 with --quick)."),
+    resume: bool = typer.Option(False, "--resume", help="Keep the finished runs of --out (same regime and starting policy)."),
+) -> None:
+    """Chain GRPO at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L) with random and
+    guided picks, plus the intra/inter advantage ablation, trained from one starting policy:
+    held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens."""
+    from treegrpo.benchmarks.learn import EXPAND_MODES, REGIMES, run_bench
+
+    try:
+        worlds = [int(x) for x in world_seed.split(",") if x.strip()]
+    except ValueError:
+        typer.echo(f"error: --world-seed {world_seed!r}: give integers, e.g. --world-seed 0,1", err=True)
+        raise typer.Exit(2) from None
+    modes = [m.strip() for m in expand_modes.split(",") if m.strip()]
+    problems = []
+    try:
+        budget_list = [int(x) for x in budgets.split(",") if x.strip()]
+    except ValueError:
+        budget_list = [0]
+    if any(b not in (2, 4, 8, 16) for b in budget_list):
+        problems.append(f"--budgets {budgets!r}: choose among 2,4,8,16")
+    if regime not in REGIMES:
+        problems.append(f"--regime {regime!r}: choose one of {', '.join(sorted(REGIMES))}")
+    if bad := [m for m in modes if m not in EXPAND_MODES]:
+        problems.append(f"--expand-modes: unknown {', '.join(bad)}; choose from {', '.join(EXPAND_MODES)}")
+    if any(v is not None and v < 1 for v in (steps, prompts_per_step, eval_every)) or seeds < 1 or jobs < 1:
+        problems.append("--seeds, --jobs, --steps, --prompts-per-step and --eval-every must be >= 1")
+    if lr is not None and not lr > 0:
+        problems.append("--lr must be > 0")
+    if problems:
+        typer.echo("error: " + "; ".join(problems), err=True)
+        raise typer.Exit(2)
+    run_bench(
+        out, regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
+        lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
+        budgets=budget_list or None, resume=resume,
+    )
+
+
 @app.command("plan")
 def plan_cmd(
     budget: float = typer.Option(..., "--budget", "-b", help="Chain budget: chains per prompt, or generated tokens per prompt."),

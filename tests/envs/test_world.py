@@ -132,3 +132,13 @@ def test_config_errors():
         build_world(PRESETS["tiny"]).tasks("test")  # type: ignore[arg-type]
     cfg = PRESETS["default"]
     assert WorldConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("name", ["shortcut3", "rare3"])
+def test_learning_regime_presets_build_on_unseen_seeds(name):
+    """The ``bench learn`` regime worlds build, with their hop mix, on the preset's seed and others."""
+    for seed in (0, 1, 2):
+        world = build_world(dataclasses.replace(PRESETS[name], seed=seed))
+        assert world.stats["split_sizes"] == {"warmup": 600, "train": 500, "eval": 400}
+        hops = {t.meta["hops"] for s in SPLITS for t in world.tasks(s)}
+        assert hops == ({2, 3} if name == "shortcut3" else {3})

@@ -233,3 +233,17 @@ def test_cli_prints_recorded_success(tiny_folder: Path):
     )
     bad = CliRunner().invoke(app, ["bootstrap", "--preset", "nope"])
     assert bad.exit_code == 2
+
+
+def test_world_seed_variant_has_its_own_cached_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path))
+    own = bs.BootstrapConfig.for_preset("tiny")
+    assert bs.BootstrapConfig.for_preset("tiny", world_seed=PRESETS["tiny"].seed) == own  # the preset's own world
+    other = bs.BootstrapConfig.for_preset("tiny", world_seed=5)
+    assert other.world_config() == dataclasses.replace(PRESETS["tiny"], seed=5)
+    assert default_model_dir(other).name.startswith("tiny-w5-")
+    assert default_model_dir(other) != default_model_dir(own)
+    # the hash of the preset's own recipe does not depend on the new field
+    assert "world_seed" not in own.to_dict()
+    with pytest.raises(ValueError, match="unknown world preset"):
+        bs.BootstrapConfig.for_preset("nope")

@@ -137,6 +137,31 @@ def test_tree_shares_prefixes_generated_once(tok) -> None:
     assert [t for n in tree.path(search.id) for t in n.tokens] in expansion_contexts
 
 
+def test_a_tree_expands_as_soon_as_its_own_chain_ends(tok) -> None:
+    """The france prompt answers after one search, the italy prompt searches twice: the france
+    tree's expansions run in the same engine call as the italy chain's last turn."""
+
+    def policy(context: str, draw: float) -> str:
+        searches = context.count("<information>")
+        if "france" in context.split("<information>")[0]:
+            return "<search> capital france </search>" if searches == 0 else "<answer> paris </answer>"
+        return "<search> capital italy </search>" if searches < 2 else "<answer> rome </answer>"
+
+    runner, engine = make_runner(tok, policy)
+    cfg = SamplerConfig("tree", m=1, n=2, l=1, expand_mode="nonroot")
+    res = sample_trees(runner, TASKS, cfg, random.Random(0), torch.Generator().manual_seed(0))
+    # turns: (1) both search, (2) france answers / italy searches again, (3) france's 2 expansions
+    # (answers from after its search) + italy answers, (4…) italy's 2 expansions
+    assert [len(c) for c in engine.calls[:3]] == [2, 2, 3]
+    third = [tok.decode(ctx) for ctx in engine.calls[2]]
+    assert sum("france" in t for t in third) == 2 and sum("italy" in t for t in third) == 1
+    assert res.engine_calls == len(engine.calls) < 2 + 3 + 1  # fewer than chains, then expansions
+    for f in res.forests:
+        assert len(f.trees[0].leaves()) == 3
+    # shared steps are generated (and tool-called) once: france 1 search, italy 2 + its expansions'
+    assert res.budgets[0].tool_calls == 1
+
+
 def test_random_picks_include_root(tok) -> None:
     runner, _ = make_runner(tok, two_step_policy)
     res = sample_chains(

@@ -66,13 +66,12 @@ def test_packed_update_equals_per_path_update(
         assert m_on["actor/clipfrac"] > 0 or m_on["actor/ratio_max"] != pytest.approx(1.0)
 
 
-def test_auto_packs_tree_samplers_not_chains(tiny_model_dir: Path) -> None:
-    cfg, loss_cfg = _cfgs(sampler="tree")
-    assert _run(load_model(tiny_model_dir), cfg, loss_cfg)[0]["update/packed"] == 1.0
-    cfg, loss_cfg = _cfgs(sampler="chain")
+def test_auto_packs_every_sampler_and_off_trains_per_path(tiny_model_dir: Path) -> None:
+    for sampler in ("tree", "chain"):
+        cfg, loss_cfg = _cfgs(sampler=sampler)
+        assert _run(load_model(tiny_model_dir), cfg, loss_cfg)[0]["update/packed"] == 1.0, sampler
+    cfg, loss_cfg = _cfgs(sampler="chain", packing="off")
     assert _run(load_model(tiny_model_dir), cfg, loss_cfg)[0]["update/packed"] == 0.0
-    cfg, loss_cfg = _cfgs(sampler="chain", packing="on")
-    assert _run(load_model(tiny_model_dir), cfg, loss_cfg)[0]["update/packed"] == 1.0
 
 
 class RejectsMasks(torch.nn.Module):

@@ -177,6 +177,14 @@ class WorldConfig:
 PRESETS: dict[str, WorldConfig] = {
     # The default demo world: 420 passages, 600 / 500 / 200 questions.
     "default": WorldConfig(),
+    # The shortcut-prone multi-hop regime of ``treegrpo bench learn``: only 2- and 3-hop questions
+    # (30 / 70 %), so a starting policy that answers after one search (the default bootstrap's habit)
+    # rarely succeeds (sampled success ≈ 5 %), and success hinges on a late choice, to search again
+    # instead of answering with the bridge entity. A larger eval split (400) for a less noisy EM.
+    "shortcut3": WorldConfig(n_people=600, n_companies=100, hop_mix=(0.0, 0.3, 0.7), n_eval=400),
+    # The rare-success regime: 3-hop questions only, so the shortcut-prone starting policy almost
+    # never succeeds (sampled success ≈ 3 %): most groups of a small budget carry no signal at all.
+    "rare3": WorldConfig(n_people=800, n_companies=120, hop_mix=(0.0, 0.0, 1.0), n_eval=400),
     # A small world for tests and quick experiments.
     "tiny": WorldConfig(
         n_people=60, n_companies=16, n_cities=12, n_countries=6, n_warmup=120, n_train=40, n_eval=30

@@ -60,6 +60,10 @@ from treegrpo.rollout.agent import AgentConfig, StepRunner
 
 BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are rebuilt
 
+#: Bootstrap settings a world preset changes from the :class:`BootstrapConfig` defaults (its
+#: starting policy is part of the regime: see :data:`treegrpo.envs.world.PRESETS`).
+PRESET_OVERRIDES: dict[str, dict[str, Any]] = {}
+
 
 @dataclass(frozen=True)
 class BootstrapConfig:
@@ -68,6 +72,7 @@ class BootstrapConfig:
     Attributes:
         preset: world preset name (:data:`treegrpo.envs.world.PRESETS`).
         world: explicit world config; overrides ``preset`` when given.
+        world_seed: the preset's world with this seed instead (another world of the same kind).
         seed: model init, demo imperfections, SFT order and evaluation sampling.
         topk: passages per search in the env (the RL run must use the same).
         prompt_template: the env's prompt template (``minimal``: few prompt tokens).
@@ -105,6 +110,7 @@ class BootstrapConfig:
 
     preset: str = "default"
     world: WorldConfig | None = None
+    world_seed: int | None = None
     seed: int = 0
     topk: int = 3
     prompt_template: str = "minimal"
@@ -139,7 +145,16 @@ class BootstrapConfig:
 
     def world_config(self) -> WorldConfig:
         """The world this bootstrap uses."""
-        return self.world if self.world is not None else get_preset(self.preset)
+        world = self.world if self.world is not None else get_preset(self.preset)
+        return world if self.world_seed is None else replace(world, seed=self.world_seed)
+
+    @classmethod
+    def for_preset(cls, preset: str = "default", world_seed: int | None = None) -> BootstrapConfig:
+        """The bootstrap recipe of a world preset: the defaults, with the preset's own overrides
+        (:data:`PRESET_OVERRIDES`), on the preset's world or its ``world_seed`` variant."""
+        if world_seed == get_preset(preset).seed:  # (a clear error for an unknown name, too)
+            world_seed = None  # the preset's own world: one cached model, however it is named
+        return cls(preset=preset, world_seed=world_seed, **PRESET_OVERRIDES.get(preset, {}))
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         """The agent loop settings demos are encoded with (and evaluation runs with)."""
@@ -154,7 +169,8 @@ class BootstrapConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["world"] = self.world_config().to_dict()
+        d["world"] = self.world_config().to_dict()  # holds the world seed
+        del d["world_seed"]
         return d
 
     def config_hash(self) -> str:
@@ -707,6 +723,8 @@ def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
     ``user_cache_dir()/models/<preset>-<config hash>``."""
     cfg = cfg or BootstrapConfig()
     name = cfg.preset if cfg.world is None else "custom"
+    if cfg.world_seed is not None:
+        name += f"-w{cfg.world_seed}"
     return user_cache_dir() / "models" / f"{name}-{cfg.config_hash()}"
 
 
@@ -717,11 +735,15 @@ def is_bootstrapped(folder: str | Path) -> bool:
 
 
 def ensure_bootstrapped(
-    preset: str = "default", cfg: BootstrapConfig | None = None, progress: bool = True, force: bool = False
+    preset: str = "default",
+    cfg: BootstrapConfig | None = None,
+    progress: bool = True,
+    force: bool = False,
+    world_seed: int | None = None,
 ) -> Path:
-    """The cached bootstrapped model folder for ``preset`` (or ``cfg``), building it only if it is
-    not there yet (or ``force``)."""
-    cfg = cfg or BootstrapConfig(preset=preset)
+    """The cached bootstrapped model folder for ``preset`` (on its ``world_seed`` variant when
+    given) or for ``cfg``, building it only if it is not there yet (or ``force``)."""
+    cfg = cfg or BootstrapConfig.for_preset(preset, world_seed)
     folder = default_model_dir(cfg)
     if force or not is_bootstrapped(folder):
         bootstrap(folder, cfg, progress=progress)

@@ -11,7 +11,7 @@ context; malformed actions get Search-R1's "invalid action" observation (DESIGN.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -149,8 +149,14 @@ class StepRunner:
         budgets: Sequence[Budget],
         generator: torch.Generator | None = None,
         params: SamplingParams | None = None,
+        on_end: Callable[[Cursor], Sequence[Cursor]] | None = None,
     ) -> int:
-        """Advance every cursor until its trajectory ends; returns the number of engine calls."""
+        """Advance every cursor until its trajectory ends; returns the number of engine calls.
+
+        ``on_end(cursor)`` (optional) is called when a cursor's trajectory ends; the cursors it
+        returns join the batch from the next turn on (a sampler starts a prompt's expansions as
+        soon as that prompt's own trajectories are done, without waiting for the other prompts).
+        """
         params = params or self.params
         active = list(cursors)
         calls = 0
@@ -209,5 +215,7 @@ class StepRunner:
                     c.parent_id = node.id
                     c.turn += 1
                     still.append(c)
+                elif on_end is not None:
+                    still.extend(on_end(c))
             active = still
         return calls

@@ -154,22 +154,35 @@ def sample_trees(
     rng: random.Random,
     generator: torch.Generator | None = None,
 ) -> RolloutResult:
-    """Initialize-then-expand: M chains per prompt, then L rounds of N expansions per tree."""
+    """Initialize-then-expand: M chains per prompt, then L rounds of N expansions per tree.
+
+    A tree's next round starts as soon as its own trajectories of the round have ended (picks
+    only look at that tree), so its expansions share engine calls with other trees' unfinished
+    chains instead of waiting for the slowest trajectory of the batch: one pass, no second tail.
+    """
     t0 = time.perf_counter()
     forests, cursors = _initialize(runner, tasks, cfg.m)
     budgets = [Budget() for _ in tasks]
-    calls = runner.run_turns(cursors, budgets, generator)
-    for _ in range(cfg.l):
-        expansions: list[Cursor] = []
-        for fi, (forest, task) in enumerate(zip(forests, tasks, strict=True)):
-            for tree in forest.trees:
-                for node in pick_nodes(tree, cfg.n, cfg.expand_mode, rng):
-                    path = tree.path(node.id)
-                    context = [tok for nd in path for tok in nd.tokens]
-                    expansions.append(Cursor(fi, tree, node.id, context, len(path) - 1, task))
-        calls += runner.run_turns(expansions, budgets, generator)
-    # Released only now, not between rounds: every expansion context is a prefix of a trajectory
-    # of an earlier round, whose KV the engine still holds (within its memory cap).
+    in_flight = {id(c.tree): 1 for c in cursors}  # trajectories of the tree's current round
+    rounds = {id(c.tree): 0 for c in cursors}  # expansion rounds started per tree
+
+    def on_end(c: Cursor) -> list[Cursor]:
+        key = id(c.tree)
+        in_flight[key] -= 1
+        if in_flight[key] > 0 or rounds[key] >= cfg.l:
+            return []
+        rounds[key] += 1
+        new = []
+        for node in pick_nodes(c.tree, cfg.n, cfg.expand_mode, rng):
+            path = c.tree.path(node.id)
+            context = [tok for nd in path for tok in nd.tokens]
+            new.append(Cursor(c.forest_index, c.tree, node.id, context, len(path) - 1, c.task))
+        in_flight[key] = len(new)
+        return new
+
+    calls = runner.run_turns(cursors, budgets, generator, on_end=on_end if cfg.l > 0 and cfg.n > 0 else None)
+    # Released only now: every expansion context is a prefix of a trajectory of an earlier round,
+    # whose KV the engine still holds (within its memory cap).
     release_engine_cache(runner.engine)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
 

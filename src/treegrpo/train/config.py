@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -129,7 +137,7 @@ class TrainConfig(BaseModel):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
     micro_batch_tokens: int = Field(8192, ge=64, description="Token cap of one forward/backward micro-batch.")
     packing: Literal["auto", "on", "off"] = Field(
-        "auto", description="Train tree forests packed (each shared token once)."
+        "auto", description="Train packed (auto/on: each forest one row, every shared token once; auto falls back to per path for a model that rejects custom attention masks; off: one row per path)."
     )
 
     # -- evaluation, logging, checkpoints ---------------------------------------------------------
@@ -148,6 +156,12 @@ class TrainConfig(BaseModel):
         1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
     )
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 (and so ``--set packing=on`` and a config file's ``packing: off``) reads on/off as booleans
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

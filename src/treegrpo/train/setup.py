@@ -92,7 +92,7 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
         elif cfg.model is None:
             from treegrpo.models.bootstrap import ensure_bootstrapped
 
-            model_dir = ensure_bootstrapped(cfg.preset)
+            model_dir = ensure_bootstrapped(cfg.preset, world_seed=cfg.world_seed)
         else:
             model_dir = Path(cfg.model).expanduser()
             if not (model_dir / "config.json").exists():

@@ -67,7 +67,15 @@ class TrainSummary:
         return d
 
 
-def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | None = None) -> TrainSummary:
+def train(
+    cfg: TrainConfig,
+    console: Console | None = None,
+    parts: RunParts | None = None,
+    eval_start: dict[str, float] | None = None,
+) -> TrainSummary:
+    """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given;
+    ``eval_start`` is the starting policy's held-out evaluation when the caller already has it
+    (evaluation is deterministic, so runs from one model can share it)."""
     console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
     if cfg.threads:
@@ -100,16 +108,20 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
         agg_mode=cfg.agg_mode,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rng = random.Random(cfg.seed)  # prompt order and tree picks
+    rng = random.Random(cfg.seed)  # prompt order: the same for every sampler at one seed (paired runs)
+    pick_rng = random.Random(f"picks-{cfg.seed}")  # tree picks, apart so they cannot shift the prompts
     gen = torch.Generator().manual_seed(cfg.seed)  # rollout sampling
     totals = {"trajectories": 0, "generated_tokens": 0, "prefill_tokens": 0, "tool_calls": 0}
     times = {"rollout_s": 0.0, "update_s": 0.0}
-    start_step, eval_start, em_curve = 0, {}, []
+    start_step, em_curve = 0, []
+    eval_start = dict(eval_start or {})
     if resume_from is not None:
         state = load_state(resume_from)
         model.load_state_dict(_load_weights(resume_from, model))
         optimizer.load_state_dict(state["optimizer"])
         rng.setstate(state["rng"])
+        if "pick_rng" in state:
+            pick_rng.setstate(state["pick_rng"])
         gen.set_state(state["gen"])
         start_step, totals, times = state["step"], state["totals"], state["times"]
         eval_start, em_curve = state["eval_start"], state["em_curve"]
@@ -120,9 +132,9 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
         f"[bold]treegrpo[/] {cfg.sampler} {_shape(cfg)} · advantage {estimator} · model {parts.model_dir} · "
         f"{len(parts.train_tasks)} train / {len(parts.eval_tasks)} eval questions · {cfg.steps} steps"
     )
-    if not eval_start:
-        eval_start = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
-        em_curve.append([0, eval_start.get("eval/success_sampled", eval_start["eval/success_greedy"])])
+    if resume_from is None:
+        eval_start = eval_start or evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+        em_curve.append([0, _headline(eval_start)])
         logger.log(start_step, eval_start)
         console.print(f"step {start_step:4d} · held-out success {_fmt_eval(eval_start)}")
     last_eval = eval_start
@@ -145,7 +157,7 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
             tasks = rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
             t0 = time.perf_counter()
             engine.load_weights(model)
-            result: RolloutResult = sampler(runner, tasks, sampler_cfg, rng, gen)
+            result: RolloutResult = sampler(runner, tasks, sampler_cfg, pick_rng, gen)
             t1 = time.perf_counter()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = [token_advantages(f, estimator, adv_cfg) for f in result.forests]
@@ -193,6 +205,7 @@ def train(cfg: TrainConfig, console: Console | None = None, parts: RunParts | No
                     "step": step,
                     "optimizer": optimizer.state_dict(),
                     "rng": rng.getstate(),
+                    "pick_rng": pick_rng.getstate(),
                     "gen": gen.get_state(),
                     "totals": totals,
                     "times": times,

@@ -9,8 +9,9 @@ per-token advantages. It dispatches to
 - :func:`update_paths`: one padded row per root→leaf path (``batching.collate``).
 
 ``cfg.packing``: ``"off"`` → per path; ``"on"`` → packed, an error if the model cannot do it;
-``"auto"`` (default) → packed for tree samplers (chains share only the prompt), per path
-otherwise, and per path for a model that rejects custom 4D attention masks. That is checked once
+``"auto"`` (default) → packed, and per path for a model that rejects custom 4D attention masks.
+Chains share only their prompt, but packed rows still win for them: measured on the default tiny
+agent, chain G=4 updates took 0.3–0.4 s packed against 1.2–1.6 s per path (same losses). That is checked once
 per model by a probe — a small packed forward compared with the per-path forward of the same paths
 — so a model that raises *and* one that silently ignores the mask (or the position ids) are both
 caught; the fallback is logged in one line.
@@ -107,7 +108,7 @@ def wants_packing(cfg: TrainConfig, loss_cfg: LossConfig) -> bool:
                 f"got {loss_cfg.policy_loss!r}"
             )
         return False
-    return cfg.packing == "on" or cfg.sampler != "chain"
+    return True
 
 
 def packing_supported(
