@@ -239,6 +239,7 @@ def bench_budget_cmd(
     seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
     repeats: int = typer.Option(3, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
     threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
+    model: Path | None = typer.Option(None, help="A bootstrapped agent or a training checkpoint of one (default: the bootstrapped default agent)."),
 ) -> None:
     """Chain at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L), random and nonroot
     picks, prefix reuse on and off, on the default tiny agent: trajectories, generated tokens,
@@ -248,7 +249,10 @@ def bench_budget_cmd(
     if prompts < 1 or repeats < 1 or threads < 0:
         typer.echo("error: --prompts and --repeats must be >= 1, --threads >= 0", err=True)
         raise typer.Exit(2)
-    run_bench(out, prompts=prompts, seed=seed, repeats=repeats, threads=threads or None)
+    if model is not None and not (model / "treegrpo_tiny.json").is_file():
+        typer.echo(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json)", err=True)
+        raise typer.Exit(2)
+    run_bench(out, prompts=prompts, seed=seed, repeats=repeats, threads=threads or None, model_dir=model)
 
 
 @bench.command("eptree")

@@ -95,6 +95,8 @@ def test_compare_and_targets_by_hand() -> None:
     assert c["tree_em_end"] == pytest.approx(0.5) and c["chain_em_end"] == pytest.approx(0.5)
     assert c["ratio"] == pytest.approx(1.0)
     assert c["pair_ratios"] == [1.2, 0.8]
+    # EM averaged over the evaluations after the start: tree (0.6 + 0.4) / 2, chain 0.5
+    assert c["curve_mean_ratio"] == pytest.approx(1.0)
     # at 200 tokens the seed-0 tree is at 0.2 + 0.4 * 200/300 = 0.4667; seed 1 at 0.4
     assert c["equal_tokens_tree_em"] == pytest.approx((0.2 + 0.4 * 2 / 3 + 0.4) / 2)
     assert c["equal_tokens_chain_em"] == pytest.approx(0.5)
@@ -160,3 +162,25 @@ def test_bench_learn_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatc
     # resume: nothing left to run, the rows are kept as they are
     again = learn.run_bench(out, regime="test", quick=True, seeds=1, jobs=1, expand_modes=("random",), resume=True)
     assert again["rows"] == result["rows"]
+    assert again["wall_s"] >= result["wall_s"]  # the time of the kept runs is carried over
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--regime", "nope"], "--regime 'nope'"),
+        (["--budgets", "3"], "--budgets '3'"),
+        (["--expand-modes", "random,best"], "unknown best"),
+        (["--seeds", "0"], "must be >= 1"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--world-seed", "a"], "--world-seed 'a'"),
+    ],
+)
+def test_cli_rejects_bad_options_with_one_line(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from treegrpo.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "learn", *args])
+    assert res.exit_code == 2
+    assert message in res.output and "Traceback" not in res.output

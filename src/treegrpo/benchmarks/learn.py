@@ -366,10 +366,17 @@ def _pairs(rows: Sequence[dict[str, Any]], a: str, b: str) -> list[tuple[dict[st
     return [(by[(a, s, w)], by[(b, s, w)]) for (lab, s, w) in by if lab == a and (b, s, w) in by]
 
 
+def _curve_mean(row: dict[str, Any]) -> float:
+    """Mean held-out EM over a run's evaluations after the start."""
+    points = [e for _, e in row["em_curve"][1:]] or [row["em_end"]]
+    return statistics.fmean(points)
+
+
 def compare(rows: Sequence[dict[str, Any]], tree: str, chain: str) -> dict[str, Any] | None:
     """Paired comparison of two configurations: end EMs (ratio of means, per-pair ratios and
-    differences) and EM at equal generated tokens (both curves interpolated at the smaller of
-    the two runs' total tokens)."""
+    differences), the ratio of EMs averaged over each run's evaluations (``curve_mean_ratio``), and
+    EM at equal generated tokens (both curves interpolated at the smaller of the two runs' total
+    tokens)."""
     pairs = _pairs(rows, tree, chain)
     if not pairs:
         return None
@@ -392,6 +399,10 @@ def compare(rows: Sequence[dict[str, Any]], tree: str, chain: str) -> dict[str, 
         "pair_ratios": [round(t / max(c, 1e-9), 3) for t, c in zip(t_end, c_end, strict=True)],
         "pair_diffs": [round(t - c, 4) for t, c in zip(t_end, c_end, strict=True)],
         "tree_wins": sum(t > c for t, c in zip(t_end, c_end, strict=True)),
+        # learning speed over the whole run: EM averaged over the evaluations after the start
+        # (both runs evaluate at the same steps), less sensitive to where the run stops
+        "curve_mean_ratio": statistics.fmean(_curve_mean(p[0]) for p in pairs)
+        / max(statistics.fmean(_curve_mean(p[1]) for p in pairs), 1e-9),
         "tree_tokens": statistics.fmean(p[0]["generated_tokens"] for p in pairs),
         "chain_tokens": statistics.fmean(p[1]["generated_tokens"] for p in pairs),
     }
@@ -502,7 +513,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = result["rows"]
     summary = summarize(rows)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw={"width_ratios": [1.1, 0.9, 1.1]})
     colors = {"chain": "black", "random": "tab:blue", "nonroot": "tab:orange", "entropy": "tab:green"}
     budgets = sorted({r["budget"] for r in rows})
     series: list[tuple[str, str, list[str]]] = [("chain", "chain GRPO", [f"chain {b}" for b in budgets])]
@@ -549,6 +560,27 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("held-out EM, sampled T=1 (end of run)")
     ax.set_title("EM vs budget: mean, min–max over seeds")
     ax.legend(fontsize=7)
+    # paired ratios tree / chain at each budget, per world (dots) and pooled (bars)
+    worlds = sorted({r["world_seed"] for r in rows})
+    width = 0.8 / len(EXPAND_MODES)
+    for j, mode in enumerate(EXPAND_MODES):
+        for i, b in enumerate(budgets):
+            per_world = [compare([r for r in rows if r["world_seed"] == w], _tree_label(b, mode), f"chain {b}") for w in worlds]
+            pooled = compare(rows, _tree_label(b, mode), f"chain {b}")
+            if pooled is None:
+                continue
+            x = i + (j - 1) * width
+            cx.bar(x, pooled["ratio"], width=width * 0.9, color=colors[mode], alpha=0.6, label=mode if i == 0 else None)
+            ys = [c["ratio"] for c in per_world if c is not None]
+            cx.scatter([x] * len(ys), ys, color="k", s=10, zorder=3)
+    cx.set_ylim(bottom=0.8)
+    cx.axhline(1.0, color="gray", linewidth=0.8)
+    cx.axhline(1.15, color="tab:red", linestyle=":", linewidth=0.8, label="budget-2 target 1.15")
+    cx.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+    cx.set_xlabel("budget")
+    cx.set_ylabel("tree EM / chain EM (end, paired seeds)")
+    cx.set_title("tree ÷ chain: pooled (bars), per world (dots)")
+    cx.legend(fontsize=7)
     for lab, s in summary.items():
         if s["advantage"] not in ("grpo", "tree_grpo") or (
             s["mode"] == "tree" and s["expand_mode"] not in ("random",)
@@ -615,7 +647,7 @@ def print_table(result: dict[str, Any], console: Any) -> None:
             if isinstance(v, dict) and "pass" in v:
                 verdict = "[green]pass[/]" if v["pass"] else "[red]FAIL[/]"
                 detail = (
-                    f"ratio {v['ratio']:.3f} (pairs {v['pair_ratios']})"
+                    f"ratio {v['ratio']:.3f} (pairs {v['pair_ratios']}; over the run {v['curve_mean_ratio']:.3f})"
                     if "ratio" in v
                     else f"tree {v['tree_em']:.3f} vs chain {v['chain_em']:.3f}"
                     if "tree_em" in v
@@ -688,11 +720,13 @@ def run_bench(
         },
     }
     rows: list[dict[str, Any]] = []
+    prior_wall = 0.0  # time already spent on the rows kept by --resume
     if resume and Path(out).is_file():
         old = json.loads(Path(out).read_text())
         if {k: old.get(k) for k in meta} == meta:
             wanted = {s.key for s in specs}
             rows = [r for r in old.get("rows", []) if _spec_of(r).key in wanted]
+            prior_wall = float(old.get("wall_s", 0.0))
             console.print(f"resuming: {len(rows)} runs already in {out}")
         else:
             console.print(f"[yellow]not resuming[/]: {out} was made with another regime or starting policy")
@@ -724,7 +758,7 @@ def run_bench(
             "summary": summarize(ordered) if ordered else {},
             "targets": targets(ordered) if ordered else {},
             "command": command,
-            "wall_s": round(time.perf_counter() - t0, 1),
+            "wall_s": round(prior_wall + time.perf_counter() - t0, 1),  # all sessions of a resumed run
             "jobs": jobs,
             "cpu_count": os.cpu_count(),
         }
