@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from treegrpo.benchmarks import learn
-from treegrpo.benchmarks.learn import ROW_KEYS, Regime, RunSpec, compare, em_at, plan_runs, summarize, targets
+from treegrpo.benchmarks.learn import ROW_KEYS, Regime, RunSpec, plan_runs
+from treegrpo.benchmarks.learn_report import compare, em_at, summarize, targets
 
 
 def test_plan_covers_the_table_with_paired_seeds() -> None:
@@ -141,7 +142,7 @@ def test_bench_learn_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatc
     result = learn.run_bench(out, regime="test", quick=True, seeds=1, jobs=1, expand_modes=("random",))
     data = json.loads(out.read_text())
     assert data["complete"] is True and out.with_suffix(".png").stat().st_size > 0
-    labels = [learn._spec_of(r).label for r in data["rows"]]
+    labels = [learn.spec_of(r).label for r in data["rows"]]
     assert labels == [
         "chain 2",
         "tree (1,2,1) random",
