@@ -164,6 +164,10 @@ def test_bench_learn_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatc
     again = learn.run_bench(out, regime="test", quick=True, seeds=1, jobs=1, expand_modes=("random",), resume=True)
     assert again["rows"] == result["rows"]
     assert again["wall_s"] >= result["wall_s"]  # the time of the kept runs is carried over
+    # overrides of the regime are part of the recorded command
+    tuned = learn.run_bench(out, regime="test", quick=True, seeds=1, jobs=1, expand_modes=("random",), lr=2e-4,
+                            budgets=(2,), resume=True)
+    assert "--lr 0.0002" in tuned["command"] and "--budgets 2" in tuned["command"]
 
 
 @pytest.mark.parametrize(

@@ -388,7 +388,7 @@ def run_bench(
     command = (
         f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''} --world-seed {','.join(map(str, worlds))} "
         f"--seeds {seeds} --jobs {jobs}"
-        + (f" --steps {steps}" if steps is not None else "")
+        + "".join(f" --{k.replace('_', '-')} {v}" for k, v in changes.items() if v is not None)
         + (f" --expand-modes {','.join(expand_modes)}" if tuple(expand_modes) != EXPAND_MODES else "")
         + (f" --budgets {','.join(map(str, budgets))}" if budgets not in (QUICK_BUDGETS, BUDGETS) else "")
         + f" --out {out}"
