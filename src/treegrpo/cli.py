@@ -315,7 +315,7 @@ def bench_learn_cmd(
     """Chain GRPO at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L) with random and
     guided picks, plus the intra/inter advantage ablation, trained from one starting policy:
     held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens."""
-    from treegrpo.benchmarks.learn import EXPAND_MODES, REGIMES, run_bench
+    from treegrpo.benchmarks.learn import BUDGETS, EXPAND_MODES, REGIMES, run_bench
 
     try:
         worlds = [int(x) for x in world_seed.split(",") if x.strip()]
@@ -328,8 +328,8 @@ def bench_learn_cmd(
         budget_list = [int(x) for x in budgets.split(",") if x.strip()]
     except ValueError:
         budget_list = [0]
-    if any(b not in (2, 4, 8, 16) for b in budget_list):
-        problems.append(f"--budgets {budgets!r}: choose among 2,4,8,16")
+    if any(b not in BUDGETS for b in budget_list):
+        problems.append(f"--budgets {budgets!r}: choose among {','.join(map(str, BUDGETS))}")
     if regime not in REGIMES:
         problems.append(f"--regime {regime!r}: choose one of {', '.join(sorted(REGIMES))}")
     if bad := [m for m in modes if m not in EXPAND_MODES]:

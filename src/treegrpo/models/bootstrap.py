@@ -60,10 +60,6 @@ from treegrpo.rollout.agent import AgentConfig, StepRunner
 
 BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are rebuilt
 
-#: Bootstrap settings a world preset changes from the :class:`BootstrapConfig` defaults (its
-#: starting policy is part of the regime: see :data:`treegrpo.envs.world.PRESETS`).
-PRESET_OVERRIDES: dict[str, dict[str, Any]] = {}
-
 
 @dataclass(frozen=True)
 class BootstrapConfig:
@@ -150,11 +146,11 @@ class BootstrapConfig:
 
     @classmethod
     def for_preset(cls, preset: str = "default", world_seed: int | None = None) -> BootstrapConfig:
-        """The bootstrap recipe of a world preset: the defaults, with the preset's own overrides
-        (:data:`PRESET_OVERRIDES`), on the preset's world or its ``world_seed`` variant."""
+        """The bootstrap recipe of a world preset, on the preset's world or its ``world_seed``
+        variant."""
         if world_seed == get_preset(preset).seed:  # (a clear error for an unknown name, too)
             world_seed = None  # the preset's own world: one cached model, however it is named
-        return cls(preset=preset, world_seed=world_seed, **PRESET_OVERRIDES.get(preset, {}))
+        return cls(preset=preset, world_seed=world_seed)
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         """The agent loop settings demos are encoded with (and evaluation runs with)."""

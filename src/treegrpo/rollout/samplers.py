@@ -180,7 +180,7 @@ def sample_trees(
         in_flight[key] = len(new)
         return new
 
-    calls = runner.run_turns(cursors, budgets, generator, on_end=on_end if cfg.l > 0 and cfg.n > 0 else None)
+    calls = runner.run_turns(cursors, budgets, generator, on_end=on_end)
     # Released only now: every expansion context is a prefix of a trajectory of an earlier round,
     # whose KV the engine still holds (within its memory cap).
     release_engine_cache(runner.engine)
