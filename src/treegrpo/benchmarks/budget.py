@@ -89,7 +89,7 @@ ROW_KEYS: tuple[str, ...] = (
     "tool_calls",
     "wall_s",
 )
-DEFAULT_BUDGETS: tuple[int, ...] = (2, 4, 8, 16)
+DEFAULT_BUDGETS: tuple[int, ...] = tuple(sorted(PAPER_PAIRS))  # 2, 4, 8, 16
 DEFAULT_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
 FORMAT = "treegrpo.bench.budget/v1"
 
