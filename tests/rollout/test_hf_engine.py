@@ -10,7 +10,7 @@ import torch
 
 from treegrpo.models.tiny import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams
-from treegrpo.rollout.hf_engine import HFEngine, _length_buckets
+from treegrpo.rollout.hf_engine import HFEngine, _growing_cache, _GrowingLayer, _length_buckets
 
 PROMPT = "Question: what is the capital of france? <think> I should search. </think><search>"
 # The overfit target: the prompt, then a search query made of several BPE pieces, then the tag.
@@ -147,6 +147,63 @@ def test_one_batched_forward_per_decode_step(engine: HFEngine, tokenizer) -> Non
     for t, (batch, width, pos) in enumerate(decode):
         assert (batch, width) == (4, 1)
         assert [p[0] for p in pos] == [len(c) + t for c in contexts]
+
+
+def test_growing_layer_writes_in_place_and_grows() -> None:
+    """Positions go into the spare room without reallocating; past the room the buffers grow and
+    keep what they held; row selection keeps the room. The visible keys/values are always exactly
+    the positions written, in order."""
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, 4, generator=gen)
+    layer = _GrowingLayer(room=2)
+    keys, values = layer.update(k0, v0)
+    assert torch.equal(keys, k0) and torch.equal(values, v0) and layer.get_seq_length() == 5
+    buf = layer._key_buf.data_ptr()
+    steps = [(torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 4, generator=gen)) for _ in range(3)]
+    for i, (k, v) in enumerate(steps[:2]):
+        keys, values = layer.update(k, v)
+        assert layer._key_buf.data_ptr() == buf  # within the room: written in place
+        assert keys.shape == (3, 2, 6 + i, 4)
+    keys, values = layer.update(*steps[2])  # room exhausted: grows
+    assert layer._key_buf.data_ptr() != buf and layer._key_buf.shape[2] == 8 + 2
+    expect_k = torch.cat([k0] + [k for k, _ in steps], dim=2)
+    expect_v = torch.cat([v0] + [v for _, v in steps], dim=2)
+    assert torch.equal(keys, expect_k) and torch.equal(values, expect_v)
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys, expect_k[[2, 0]]) and torch.equal(layer.values, expect_v[[2, 0]])
+    buf = layer._key_buf.data_ptr()
+    layer.update(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    assert layer._key_buf.data_ptr() == buf and layer.get_seq_length() == 9
+
+
+def test_growing_cache_over_given_buffers(tiny_model_dir: Path) -> None:
+    """A cache built over preassembled buffers sees only the filled part and extends it in place."""
+    model = load_model(tiny_model_dir)
+    n_layers = model.config.num_hidden_layers
+    bufs = [(torch.ones(2, 1, 7, 3), torch.ones(2, 1, 7, 3)) for _ in range(n_layers)]
+    cache = _growing_cache(model.config, room=0, kv=bufs, filled=4)
+    assert cache.get_seq_length() == 4 and len(cache.layers) == n_layers
+    keys, _ = cache.update(torch.zeros(2, 1, 3, 3), torch.zeros(2, 1, 3, 3), layer_idx=0)
+    assert keys.shape == (2, 1, 7, 3) and keys.data_ptr() == bufs[0][0].data_ptr()
+    assert torch.equal(bufs[0][0][:, :, 4:], torch.zeros(2, 1, 3, 3))
+
+
+def test_decode_steps_do_not_copy_the_cache(engine: HFEngine, tokenizer) -> None:
+    """Every decode step of a call writes into the same KV buffers (no per-step reallocation)."""
+    contexts = _contexts(tokenizer, [7, 12, 3])
+    ptrs: list[int] = []
+
+    def hook(_module, _args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1 and kwargs["input_ids"].shape[0] == 3:
+            ptrs.append(kwargs[engine._cache_kwarg].layers[0].keys.data_ptr())
+
+    engine.release_cache()
+    handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        engine.generate(contexts, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=()))
+    finally:
+        handle.remove()
+    assert len(ptrs) >= 4 and len(set(ptrs)) == 1
 
 
 def test_length_buckets_bound_padding() -> None:

@@ -38,6 +38,13 @@ forward; the buckets' caches and masks are then left-padded to a common width an
 into the original row order, so the decode loop (and the sampling draws) is exactly that of one
 batch.
 
+**KV buffers with room.** The batch cache is a ``DynamicCache`` of :class:`_GrowingLayer` s: its
+keys/values are views of buffers allocated with room for the suffix and the ``max_new_tokens - 1``
+tokens fed back while decoding, so the prefill and every decode step write their new positions in
+place. (``DynamicLayer`` concatenates, i.e. copies the whole batch cache, on every forward; with
+expansions that continue from long stored contexts this copying cost more than the model's own
+arithmetic on this tiny CPU model.) A batch assembled from stored prefixes is used as is.
+
 *What is counted* — :attr:`Generation.prefill_tokens` is the number of non-pad positions the
 model ran for that request in prefill forwards: its own uncached suffix, plus the tokens of any
 in-call shared prefix it was charged (a shared prefix computed once in a call is charged to the
@@ -184,13 +191,82 @@ def _length_buckets(
     return buckets
 
 
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose keys/values are views of buffers with spare room.
+
+    ``update`` writes the new positions in place (growing the buffers only when the room runs out),
+    where ``DynamicLayer`` allocates and copies the whole cache on every call. A decode step then
+    moves one position per row instead of the row's whole context, and a batch cache assembled
+    from stored prefixes is used as is, not copied again.
+
+    Args:
+        room: spare positions allocated past the filled ones whenever the buffers are (re)made.
+        keys, values: ``(B, kv_heads, capacity, head_dim)`` buffers whose first ``filled``
+            positions hold the cache (``None``: allocated on the first ``update``).
+    """
+
+    def __init__(
+        self,
+        room: int,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        filled: int = 0,
+    ) -> None:
+        super().__init__()
+        self.room = room
+        self._filled = 0
+        if keys is not None and values is not None:
+            self._point(keys, values, filled)
+
+    def _point(self, key_buf: torch.Tensor, value_buf: torch.Tensor, filled: int) -> None:
+        self._key_buf, self._value_buf, self._filled = key_buf, value_buf, filled
+        self.keys, self.values = key_buf[:, :, :filled], value_buf[:, :, :filled]
+        self.device, self.dtype, self.is_initialized = key_buf.device, key_buf.dtype, True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, q = self._filled, key_states.shape[-2]
+        if not self.is_initialized or n + q > self._key_buf.shape[2]:
+            b, heads, _, dim = key_states.shape
+            key_buf = key_states.new_empty((b, heads, n + q + self.room, dim))
+            value_buf = value_states.new_empty((b, heads, n + q + self.room, dim))
+            if n:
+                key_buf[:, :, :n] = self.keys
+                value_buf[:, :, :n] = self.values
+            self._point(key_buf, value_buf, n)
+        self._key_buf[:, :, n : n + q] = key_states
+        self._value_buf[:, :, n : n + q] = value_states
+        self._point(self._key_buf, self._value_buf, n + q)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._point(self._key_buf[indices], self._value_buf[indices], self._filled)
+
+
+def _growing_cache(
+    config: Any, room: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), filled: int = 0
+) -> DynamicCache:
+    """A ``DynamicCache`` of :class:`_GrowingLayer` s: empty, or over the given per-layer
+    ``(keys, values)`` buffers whose first ``filled`` positions are the cache."""
+    cache = DynamicCache(config=config)
+    if kv:
+        cache.layers = [_GrowingLayer(room, k, v, filled) for k, v in kv]
+    else:
+        cache.layers = [_GrowingLayer(room) for _ in cache.layers]
+    return cache
+
+
 def _merge_prefills(
     parts: Sequence[tuple[list[int], torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]],
     b: int,
     config: Any,
+    room: int = 0,
 ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
     """Merge per-bucket prefills ``(row indices, logits, cache, next_pos, mask)`` into one batch of
     ``b`` rows in original row order: caches and masks are left-padded (masked) to a common width.
+    The merged cache has ``room`` spare positions for decoding (:class:`_GrowingLayer`).
 
     Returns the merged logits ``(b, V)``, cache, next positions ``(b,)`` and attention mask."""
     width = max(mask.shape[1] for _, _, _, _, mask in parts)
@@ -200,8 +276,8 @@ def _merge_prefills(
     mask = ref_mask.new_zeros((b, width))
     kv = []
     for layer in ref_cache.layers:
-        shape = (b, layer.keys.shape[1], width, layer.keys.shape[3])
-        kv.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
+        shape = (b, layer.keys.shape[1], width + room, layer.keys.shape[3])
+        kv.append((layer.keys.new_empty(shape), layer.values.new_empty(shape)))
     for idx, lg, cache, pos, msk in parts:
         sel = torch.tensor(idx, dtype=torch.long, device=lg.device)
         w = msk.shape[1]
@@ -209,9 +285,12 @@ def _merge_prefills(
         next_pos[sel] = pos
         mask[sel, width - w :] = msk
         for (keys, values), layer in zip(kv, cache.layers, strict=True):
-            keys[sel, :, width - w :] = layer.keys
-            values[sel, :, width - w :] = layer.values
-    return logits, DynamicCache(ddp_cache_data=kv, config=config), next_pos, mask
+            keys[sel, :, width - w : width] = layer.keys
+            values[sel, :, width - w : width] = layer.values
+            if w < width:  # masked, but must be finite: attention weights them by exactly 0
+                keys[sel, :, : width - w] = 0.0
+                values[sel, :, : width - w] = 0.0
+    return logits, _growing_cache(config, room, kv, width), next_pos, mask
 
 
 def _supports_prefix_reuse(model: torch.nn.Module) -> bool:
@@ -490,8 +569,8 @@ class HFEngine:
     def _prefill_and_store(self, seqs: list[Tokens]) -> list[int]:
         """Run ``seqs`` through the model (reusing what is stored) and store their full KV.
         Returns the tokens computed per sequence."""
-        ids, mask, cache, cached = self._assemble(seqs, [len(s) for s in seqs], reuse=True)
-        _, cache, _ = self._prefill(ids, mask, cache)
+        ids, mask, cache, cached = self._assemble(seqs, [len(s) for s in seqs], reuse=True, room=0)
+        _, cache, _ = self._prefill(ids, mask, cache, room=0)
         for b, s in enumerate(seqs):
             self.prefix_cache.insert(s, _row_kv(cache, mask, b))
         return [len(s) - c for s, c in zip(seqs, cached, strict=True)]
@@ -512,13 +591,15 @@ class HFEngine:
         limits: Sequence[int],
         reuse: bool,
         found: Sequence[tuple[int, list[torch.Tensor]]] | None = None,
+        room: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, DynamicCache | None, list[int]]:
         """Build one padded batch: each row's longest stored prefix (at most ``limits[r]`` tokens)
         goes into a batch cache, right-aligned in a cache region of width ``P``; its uncached suffix
         is right-aligned in a query block of width ``S``. The attention mask (width ``P + S``) marks
         real positions; the holes between the two parts are masked.
 
-        ``found`` (:meth:`_lookup`'s result for these rows) skips the lookup.
+        ``found`` (:meth:`_lookup`'s result for these rows) skips the lookup. The cache has room
+        for the ``S`` suffix positions plus ``room`` more (:class:`_GrowingLayer`).
 
         Returns:
             suffix ids ``(B, S)``, attention mask ``(B, P + S)``, the batch cache (``None`` when
@@ -541,16 +622,19 @@ class HFEngine:
         if p > 0:
             ref = next(seg for _, segs in found for seg in segs)
             n_layers, _, heads, _, head_dim = ref.shape
-            kv = torch.zeros((n_layers, 2, b, heads, p, head_dim), dtype=ref.dtype, device=ref.device)
+            kv = torch.empty(
+                (n_layers, 2, b, heads, p + width + room, head_dim), dtype=ref.dtype, device=ref.device
+            )
             for r, (c, segs) in enumerate(found):
                 at = p - c
+                if at:  # masked, but must be finite: attention weights them by exactly 0
+                    kv[:, :, r, :, :at] = 0.0
                 for seg in segs:
                     ln = seg.shape[3]
                     kv[:, :, r, :, at : at + ln] = seg
                     at += ln
-            cache = DynamicCache(
-                ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(n_layers)],
-                config=getattr(self.model, "config", None),
+            cache = _growing_cache(
+                getattr(self.model, "config", None), room, [(kv[i, 0], kv[i, 1]) for i in range(n_layers)], p
             )
         return ids.to(self.device), mask.to(self.device), cache, cached
 
@@ -576,18 +660,23 @@ class HFEngine:
         return out.logits[:, -1, :].float()
 
     def _prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache | None = None,
+        room: int = 0,
     ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         """Run the (padded) uncached suffixes through the model.
 
         When ``cache`` is given it already holds the first ``attention_mask.shape[1] -
         input_ids.shape[1]`` positions (a reused prefix per row) and only ``input_ids`` is computed.
+        Otherwise a new cache is made, with ``room`` spare positions past the prefill.
 
         Returns:
             the last-position logits ``(B, V)``, the filled cache, and each row's next position id ``(B,)``.
         """
         if cache is None:
-            cache = DynamicCache(config=getattr(self.model, "config", None))
+            cache = _growing_cache(getattr(self.model, "config", None), room)
         position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         position_ids = position_ids[:, -input_ids.shape[1] :]
         logits = self._forward(input_ids, attention_mask, position_ids, cache, last_only=True)
@@ -601,13 +690,15 @@ class HFEngine:
         reuse: bool,
         found: Sequence[tuple[int, list[torch.Tensor]]],
         suffix_lens: Sequence[int],
+        room: int,
     ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
         """Prefill the batch one length bucket at a time (:func:`_length_buckets`) and merge the
-        results, in row order, into one decode batch. Returns logits, cache, next positions, mask."""
+        results, in row order, into one decode batch whose cache has ``room`` spare positions.
+        Returns logits, cache, next positions, mask."""
         buckets = _length_buckets(suffix_lens)
         if len(buckets) == 1:
-            ids, mask, cache, _ = self._assemble(contexts, limits, reuse, found)
-            logits, cache, next_pos = self._prefill(ids, mask, cache)
+            ids, mask, cache, _ = self._assemble(contexts, limits, reuse, found, room)
+            logits, cache, next_pos = self._prefill(ids, mask, cache, room)
             return logits, cache, next_pos, mask
         parts = []
         for idx in buckets:
@@ -616,7 +707,7 @@ class HFEngine:
             )
             logits, cache, next_pos = self._prefill(ids, mask, cache)
             parts.append((idx, logits, cache, next_pos, mask))
-        return _merge_prefills(parts, len(contexts), getattr(self.model, "config", None))
+        return _merge_prefills(parts, len(contexts), getattr(self.model, "config", None), room)
 
     def _generate_batch(
         self,
@@ -633,7 +724,10 @@ class HFEngine:
         found = self._lookup(contexts, limits, reuse)
         cached = [n for n, _ in found]
         prefill_tokens = [len(c) - k for c, k in zip(contexts, cached, strict=True)]
-        logits, cache, next_pos, mask = self._bucketed_prefill(contexts, limits, reuse, found, prefill_tokens)
+        # Room for the tokens fed back while decoding: the last sampled token is never run.
+        logits, cache, next_pos, mask = self._bucketed_prefill(
+            contexts, limits, reuse, found, prefill_tokens, room=params.max_new_tokens - 1
+        )
         store = reuse and self.prefix_cache.max_bytes != 0
 
         max_new = params.max_new_tokens
