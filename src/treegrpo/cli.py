@@ -237,7 +237,7 @@ def bench_budget_cmd(
     out: Path = typer.Option(Path("benchmarks/results/budget.json"), help="Results JSON (plot next to it, .png)."),
     prompts: int = typer.Option(32, help="Training questions rolled out by every configuration."),
     seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
-    repeats: int = typer.Option(3, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
+    repeats: int = typer.Option(5, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
     threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
     model: Path | None = typer.Option(None, help="A bootstrapped agent or a training checkpoint of one (default: the bootstrapped default agent)."),
 ) -> None:

@@ -19,8 +19,10 @@ repeats).
 **Side by side.** Every configuration runs with both reuse settings back to back (alternating
 which goes first), configurations interleaved by budget (chain b, tree random, tree nonroot, …);
 then the timing-critical block (chain 4, tree (2,2,1) random / nonroot, both reuse settings) is
-run ``repeats - 1`` more times in rotated order. The wall-time target is the median over repeats of
-the *paired* ratio (tree and chain timed in the same repeat, close in time). Process CPU seconds
+run ``repeats`` more times in rotated order (their run in the sweep is their warm-up: the first
+rollout of a configuration pays for growing the allocator's pools, and sits between other
+configurations). The wall-time target is the median over these repeats of the *paired* ratio
+(tree and chain timed in the same repeat, close in time). Process CPU seconds
 are recorded too (``cpu_s``; less sensitive to other processes on a shared machine). torch runs
 with one intra-op thread by default (``threads``). Counts do not depend on timing: the same seed
 gives the same forests on every repeat (checked).
@@ -713,11 +715,13 @@ def measure_all(
     log: Callable[[str], object] = print,
 ) -> list[Measurement]:
     """Measure every spec with every reuse setting, side by side (module doc); the ``critical``
-    specs are run ``repeats - 1`` more times as one block (rotated order, reuse order alternating),
-    so that the i-th wall time of every critical configuration was taken close in time.
+    specs are then run ``repeats`` more times as one block (rotated order, reuse order
+    alternating), so that the i-th wall time of every critical configuration was taken close in
+    time. Their first run, among the other configurations, is their warm-up: only the block's
+    runs are their ``walls``.
 
     Returns one :class:`Measurement` per (spec, reuse), in ``specs`` order, summarized
-    (:func:`summarize`) right after its first run; ``walls`` holds every timed run. With ``keep``
+    (:func:`summarize`) right after its first run; ``walls`` holds its timed runs. With ``keep``
     false the forests and call records are dropped once summarized (they are large). A repeat must
     reproduce the counts of the first run exactly (same seed); a mismatch is logged and kept in
     ``repeat_mismatches`` (the ``repeats_reproduce_counts`` check).
@@ -742,7 +746,10 @@ def measure_all(
             first(spec, reuse)
         i += 1
     crit = [s for s in critical if s in specs]
-    for r in range(1, repeats):
+    for spec in crit:
+        for reuse in reuse_modes:
+            by_key[(spec, reuse)].walls, by_key[(spec, reuse)].cpus = [], []
+    for r in range(1, repeats + 1):
         order = crit[r % len(crit) :] + crit[: r % len(crit)] if crit else []
         for spec in order:
             for reuse in reuse_modes if (i + r) % 2 == 0 else tuple(reversed(reuse_modes)):
@@ -836,7 +843,7 @@ def run_bench(
     out: Path = Path("benchmarks/results/budget.json"),
     prompts: int = 32,
     seed: int = 0,
-    repeats: int = 3,
+    repeats: int = 5,
     model_dir: Path | None = None,
     specs: Sequence[RunSpec] | None = None,
     threads: int | None = 1,

@@ -39,9 +39,9 @@ into the original row order, so the decode loop (and the sampling draws) is exac
 batch.
 
 **KV buffers with room.** The batch cache is a ``DynamicCache`` of :class:`_GrowingLayer` s: its
-keys/values are views of buffers allocated with room for the suffix and the ``max_new_tokens - 1``
-tokens fed back while decoding, so the prefill and every decode step write their new positions in
-place. (``DynamicLayer`` concatenates, i.e. copies the whole batch cache, on every forward; with
+keys/values are views of buffers allocated with room for the suffix and the tokens fed back while
+decoding (up to ``_DECODE_ROOM`` at a time), so the prefill and nearly every decode step write their
+new positions in place. (``DynamicLayer`` concatenates, i.e. copies the whole batch cache, on every forward; with
 expansions that continue from long stored contexts this copying cost more than the model's own
 arithmetic on this tiny CPU model.) A batch assembled from stored prefixes is used as is.
 
@@ -97,6 +97,9 @@ _REASONS: dict[int, FinishReason] = {_STOP: "stop", _EOS: "eos", _LENGTH: "lengt
 # ``_BUCKET_PAD_RATIO * real + _BUCKET_PAD_SLACK``.
 _BUCKET_PAD_RATIO = 1.25
 _BUCKET_PAD_SLACK = 16
+
+# Spare KV positions allocated past the filled ones (:class:`_GrowingLayer`), per (re)allocation.
+_DECODE_ROOM = 16
 
 Tokens = tuple[int, ...]
 
@@ -724,9 +727,11 @@ class HFEngine:
         found = self._lookup(contexts, limits, reuse)
         cached = [n for n, _ in found]
         prefill_tokens = [len(c) - k for c, k in zip(contexts, cached, strict=True)]
-        # Room for the tokens fed back while decoding: the last sampled token is never run.
+        # Room for the tokens fed back while decoding (the last sampled token is never run), at
+        # most ``_DECODE_ROOM`` at a time: steps are usually far shorter than the cap, and every
+        # dropped row copies the buffers, room included.
         logits, cache, next_pos, mask = self._bucketed_prefill(
-            contexts, limits, reuse, found, prefill_tokens, room=params.max_new_tokens - 1
+            contexts, limits, reuse, found, prefill_tokens, room=min(params.max_new_tokens - 1, _DECODE_ROOM)
         )
         store = reuse and self.prefix_cache.max_bytes != 0
 
