@@ -367,3 +367,28 @@ def test_bad_requests(engine: HFEngine) -> None:
         engine.generate([[5] * (limit - 3)], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([[5]], SamplingParams(top_p=0.0))
+
+
+def test_sliding_window_model_matches_full_forward() -> None:
+    """A model with a sliding-window layer (window 4, shorter than the contexts and the steps):
+    batched generation over two prefill buckets matches a full forward pass. The window lives in
+    the attention mask; the cache layers keep every position (the engine used to fail merging
+    the buckets' window-trimmed caches)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, use_sliding_window=True, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
+        bos_token_id=1,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with pytest.warns(UserWarning, match="not made of plain DynamicLayers"):
+        eng = HFEngine(model)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in (3, 17, 1, 9)]
+    gens = eng.generate(contexts, SamplingParams(max_new_tokens=6, temperature=1.0), generator=gen)
+    for ctx, g in zip(contexts, gens, strict=True):
+        lp, _ = _reference(model, ctx, g.tokens)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(lp), atol=1e-5, rtol=0)

@@ -252,7 +252,13 @@ def _growing_cache(
     config: Any, room: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), filled: int = 0
 ) -> DynamicCache:
     """A ``DynamicCache`` of :class:`_GrowingLayer` s: empty, or over the given per-layer
-    ``(keys, values)`` buffers whose first ``filled`` positions are the cache."""
+    ``(keys, values)`` buffers whose first ``filled`` positions are the cache.
+
+    Every layer keeps all positions, sliding-window ones included: ``transformers`` builds their
+    window into the attention mask, from each layer's KV length, so the result is unchanged (and
+    the buckets' caches can be merged, which window-trimmed layers of different widths cannot).
+    Those models run without prefix reuse, so a row's positions are contiguous in the cache, as
+    the window mask assumes."""
     cache = DynamicCache(config=config)
     if kv:
         cache.layers = [_GrowingLayer(room, k, v, filled) for k, v in kv]
