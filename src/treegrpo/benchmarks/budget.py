@@ -19,9 +19,8 @@ repeats).
 **Side by side.** Every configuration runs with both reuse settings back to back (alternating
 which goes first), configurations interleaved by budget (chain b, tree random, tree nonroot, …);
 then the timing-critical block (chain 4, tree (2,2,1) random / nonroot, both reuse settings) is
-run ``repeats`` more times in rotated order (their run in the sweep is their warm-up: the first
-rollout of a configuration pays for growing the allocator's pools, and sits between other
-configurations). The wall-time target is the median over these repeats of the *paired* ratio
+run ``repeats`` more times in rotated order (their run in the sweep is their warm-up: it sits
+between other configurations, and first runs were measured up to 40 % slower than repeats). The wall-time target is the median over these repeats of the *paired* ratio
 (tree and chain timed in the same repeat, close in time). Process CPU seconds
 are recorded too (``cpu_s``; less sensitive to other processes on a shared machine). torch runs
 with one intra-op thread by default (``threads``). Counts do not depend on timing: the same seed
