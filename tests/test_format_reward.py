@@ -87,7 +87,7 @@ def test_plain_metrics_need_no_history_and_reject_unknown() -> None:
 def test_agent_loop_passes_histories(tiny_model_dir) -> None:
     """End to end through StepRunner: a scripted policy that searches, then answers well-formed."""
     from fakes import ScriptedEngine
-    from treegrpo.models.tiny import load_tokenizer
+    from treegrpo.models.loader import load_tokenizer
     from treegrpo.rollout.agent import AgentConfig, Budget, StepRunner
     from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 

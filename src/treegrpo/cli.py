@@ -375,7 +375,7 @@ def plan_cmd(
         raise typer.Exit(2)
     model_dir = None
     if unit == "tokens" and chain_tokens is None:
-        from treegrpo.models.bootstrap import ensure_bootstrapped
+        from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
 
         model_dir = ensure_bootstrapped("default")
         chain_tokens = recorded_chain_tokens(model_dir)
@@ -423,8 +423,8 @@ def bootstrap_cmd(
 ) -> None:
     """Build the tiny starting policy: imperfect demos on the synthetic world, a tokenizer, a small
     Qwen2 and a supervised warm-up; print its measured held-out success."""
-    from treegrpo.models.bootstrap import BootstrapConfig, bootstrap, default_model_dir, is_bootstrapped
-    from treegrpo.models.tiny import tiny_info
+    from treegrpo.models.loader import tiny_info
+    from treegrpo.tasks.world.bootstrap import BootstrapConfig, bootstrap, default_model_dir, is_bootstrapped
 
     try:
         cfg = BootstrapConfig(preset=preset, seed=seed)

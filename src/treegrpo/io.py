@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,3 +45,23 @@ def user_cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "treegrpo"
+
+
+def atomic_write_dir(folder: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temp folder beside ``folder``, then rename it into place (an
+    existing ``folder`` is swapped out and removed): readers see the old folder or the new one."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        write(tmp)
+        old = None
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+

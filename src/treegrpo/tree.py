@@ -171,6 +171,11 @@ class Tree:
         out.reverse()
         return out
 
+    def context(self, node_id: int) -> list[int]:
+        """The root→``node_id`` context: the ids of every node on the path, prompt first. This is
+        exactly what a trajectory continued from ``node_id`` conditions on (its KV prefix)."""
+        return [tok for n in self.path(node_id) for tok in n.tokens]
+
     def depth(self, node_id: int) -> int:
         """Number of steps from the root (root: 0)."""
         return len(self.path(node_id)) - 1

@@ -25,10 +25,10 @@ from treegrpo.benchmarks.budget import (
     uncached_tokens,
 )
 from treegrpo.envs.search import SearchEnv
-from treegrpo.envs.world import PRESETS, build_world
-from treegrpo.models.tiny import load_model, load_tokenizer
+from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.rollout.engine import Generation
+from treegrpo.tasks.world.world import PRESETS, build_world
 from treegrpo.tree import Forest, Node, Tree
 
 

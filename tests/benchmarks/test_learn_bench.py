@@ -136,7 +136,7 @@ def test_bench_learn_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatc
     regime = Regime("test", "tiny", steps=2, prompts_per_step=2, lr=1e-4, eval_every=1, eval_prompts=4, about="test")
     monkeypatch.setitem(learn.REGIMES, "test", regime)
     monkeypatch.setattr(
-        "treegrpo.models.bootstrap.ensure_bootstrapped", lambda preset, world_seed=None, **kw: tiny_model_dir
+        "treegrpo.tasks.world.bootstrap.ensure_bootstrapped", lambda preset, world_seed=None, **kw: tiny_model_dir
     )
     out = tmp_path / "learn.json"
     result = learn.run_bench(out, regime="test", quick=True, seeds=1, jobs=1, expand_modes=("random",))

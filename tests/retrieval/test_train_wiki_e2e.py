@@ -63,7 +63,7 @@ def write_search_r1_parquet(path: Path) -> Path:
 def teach_to_search(src: Path, dst: Path, steps: int = 60) -> Path:
     """A copy of the random tiny model, briefly fitted to protocol text so that its rollouts do
     search (a random 2-layer model almost never emits <search> q </search> on its own)."""
-    from treegrpo.models.tiny import load_model, load_tokenizer
+    from treegrpo.models.loader import load_model, load_tokenizer
 
     shutil.copytree(src, dst)
     tok, model = load_tokenizer(dst), load_model(dst)

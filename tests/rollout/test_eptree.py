@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, token_advantages
-from treegrpo.envs.arith import ArithEnv
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.rollout.engine import Generation, SamplingParams
@@ -26,6 +25,7 @@ from treegrpo.rollout.eptree import (
     split_node,
 )
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler, pick_nodes
+from treegrpo.tasks.arith.problems import ArithEnv
 from treegrpo.tree import Forest, Node, Tree, read_forests, write_forests
 
 # -- a character-level tokenizer and a scripted engine with hand-set log-probs ----------------------
@@ -344,7 +344,7 @@ def test_treerl_on_eptree_forests_matches_design(seed: int) -> None:
 
 
 def test_eptree_with_hf_engine_is_token_in_token_out(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from treegrpo.models.tiny import load_model, load_tokenizer
+    from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.hf_engine import HFEngine
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)

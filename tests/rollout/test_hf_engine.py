@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treegrpo.models.tiny import load_model, load_tokenizer
+from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams
 from treegrpo.rollout.hf_engine import HFEngine, _growing_cache, _GrowingLayer, _length_buckets
 

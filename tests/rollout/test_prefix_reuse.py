@@ -14,7 +14,7 @@ import torch
 from fakes import ScriptedEngine
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
-from treegrpo.models.tiny import load_model, load_tokenizer
+from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from treegrpo.models.tiny import load_model, load_tokenizer
+from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams
 from treegrpo.rollout.vllm_engine import INSTALL_HINT, VLLMEngine, vllm_available
 

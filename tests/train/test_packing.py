@@ -12,7 +12,7 @@ import torch
 
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import LossConfig, compute_loss
-from treegrpo.models.tiny import load_model
+from treegrpo.models.loader import load_model
 from treegrpo.train.batching import collate, forest_sequences, token_logprobs
 from treegrpo.train.packing import (
     PackedBatch,

@@ -10,7 +10,7 @@ from pathlib import Path
 from test_packing import PAD, random_forest
 
 from treegrpo.benchmarks.packing import measure_forests, plot
-from treegrpo.models.tiny import load_model
+from treegrpo.models.loader import load_model
 
 KEYS = (
     "forest",

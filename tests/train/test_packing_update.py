@@ -13,7 +13,7 @@ from test_packing import PAD, forests_for_tests
 
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import LossConfig
-from treegrpo.models.tiny import load_model
+from treegrpo.models.loader import load_model
 from treegrpo.train.config import TrainConfig, make_config
 from treegrpo.train.update import split_minibatches, update
 

@@ -11,7 +11,7 @@ import torch
 from treegrpo.algos.losses import LossConfig
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
-from treegrpo.models.tiny import MARKER_FILE, load_model, load_tokenizer
+from treegrpo.models.loader import MARKER_FILE, load_model, load_tokenizer
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig

@@ -173,8 +173,8 @@ class AgentParts:
 def load_agent(model_dir: str | Path | None = None) -> AgentParts:
     """The bootstrapped agent in ``model_dir`` (default: ``ensure_bootstrapped("default")``), with
     the env and agent settings it was trained with and its world's ``train`` questions."""
-    from treegrpo.models.bootstrap import ensure_bootstrapped, load_setup
-    from treegrpo.models.tiny import load_model, load_tokenizer
+    from treegrpo.models.loader import load_model, load_tokenizer
+    from treegrpo.tasks.world.bootstrap import ensure_bootstrapped, load_setup
 
     folder = Path(model_dir) if model_dir is not None else ensure_bootstrapped("default")
     setup = load_setup(folder)

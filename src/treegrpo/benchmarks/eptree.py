@@ -126,11 +126,11 @@ def sampling_rows(
     log: Callable[[str], object] = print,
 ) -> list[dict[str, Any]]:
     """One row per (method, seed): the sampling comparison (module docstring)."""
-    from treegrpo.envs.arith import load_arith_setup
-    from treegrpo.models.tiny import load_model, load_tokenizer
+    from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.hf_engine import HFEngine
     from treegrpo.rollout.samplers import get_sampler
+    from treegrpo.tasks.arith.bootstrap import load_arith_setup
 
     setup = load_arith_setup(model_dir)
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
@@ -384,9 +384,9 @@ def run_bench(
     log: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
-    from treegrpo.envs.arith import ensure_arith_bootstrapped
     from treegrpo.io import atomic_write_text
-    from treegrpo.models.tiny import tiny_info
+    from treegrpo.models.loader import tiny_info
+    from treegrpo.tasks.arith.bootstrap import ensure_arith_bootstrapped
 
     t0 = time.perf_counter()
     if threads:

@@ -16,7 +16,7 @@ prompts:
 seed fixes the prompt order (the trainer draws prompts and tree picks from separate streams), so
 the runs of one seed see the same prompts and are compared in pairs. Held-out exact match is
 measured on the world's ``eval`` split — one chain per question, sampled at T=1 and greedy — from
-the evaluation's own RNG stream (:data:`~treegrpo.train.trainer.EVAL_SEED`), at the start, every
+the evaluation's own RNG stream (:data:`~treegrpo.train.evaluate.EVAL_SEED`), at the start, every
 ``eval_every`` steps (``em_curve``: ``[generated tokens so far, sampled EM]``) and at the end.
 ``tool_calls_per_traj_start/end`` are the held-out sampled chains' tool calls per trajectory, so
 every mode is measured the same way.
@@ -28,7 +28,7 @@ and spread per configuration; the analysis and the plots live in
 :mod:`treegrpo.benchmarks.learn_report`.
 
 **Regimes** (:data:`REGIMES`): a world preset (its world and its bootstrap recipe, see
-:data:`treegrpo.envs.world.PRESETS`) plus the RL settings. ``default`` is the embedded default
+:data:`treegrpo.tasks.world.world.PRESETS`) plus the RL settings. ``default`` is the embedded default
 world and starting policy; see ``benchmarks/README.md`` for the others and why they are built as
 they are.
 """
@@ -84,8 +84,8 @@ class Regime:
 
     Attributes:
         name: the regime's name (``--regime``).
-        preset: world preset (:data:`treegrpo.envs.world.PRESETS`); its bootstrap recipe is
-            :meth:`treegrpo.models.bootstrap.BootstrapConfig.for_preset`.
+        preset: world preset (:data:`treegrpo.tasks.world.world.PRESETS`); its bootstrap recipe is
+            :meth:`treegrpo.tasks.world.bootstrap.BootstrapConfig.for_preset`.
         steps: RL steps of every run.
         prompts_per_step: prompts per RL step.
         lr: AdamW learning rate.
@@ -232,7 +232,7 @@ def _base_config(regime: Regime, model_dir: Path, world_seed: int, out_dir: str)
 def _parts(cfg: Any) -> Any:
     """Run parts with a freshly loaded model; the world, env and questions are built once per
     process and world."""
-    from treegrpo.models.tiny import load_model
+    from treegrpo.models.loader import load_model
     from treegrpo.train.setup import build_run
 
     key = (str(cfg.model), int(cfg.world_seed))
@@ -248,7 +248,7 @@ def start_eval(regime: Regime, model_dir: Path, world_seed: int) -> dict[str, fl
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.hf_engine import HFEngine
     from treegrpo.train.config import make_config
-    from treegrpo.train.trainer import evaluate
+    from treegrpo.train.evaluate import evaluate
 
     cfg = make_config(_base_config(regime, model_dir, world_seed, "unused"))
     parts = _parts(cfg)
@@ -332,10 +332,10 @@ def run_bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from treegrpo.benchmarks.learn_report import plot, print_table, summarize, targets
-    from treegrpo.envs.world import get_preset
     from treegrpo.io import atomic_write_text
-    from treegrpo.models.bootstrap import ensure_bootstrapped
-    from treegrpo.models.tiny import tiny_info
+    from treegrpo.models.loader import tiny_info
+    from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
+    from treegrpo.tasks.world.world import get_preset
 
     console = console or Console(soft_wrap=True, width=None if Console().is_terminal else 150)
     if regime not in REGIMES:

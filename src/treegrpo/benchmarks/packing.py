@@ -71,11 +71,11 @@ def rollout_forests(
 ) -> tuple[list[Forest], torch.nn.Module, int]:
     """Forests grown by the bootstrapped agent in ``model_dir`` (tree sampler, ``(M, N, L)``) for
     ``prompts`` training questions of its world; returns them with the model and the pad id."""
-    from treegrpo.models.bootstrap import load_setup
-    from treegrpo.models.tiny import load_model, load_tokenizer
+    from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.hf_engine import HFEngine
     from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+    from treegrpo.tasks.world.bootstrap import load_setup
 
     setup = load_setup(model_dir)
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
@@ -283,7 +283,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Roll out, measure every shape, write ``out`` (JSON) and the plot next to it (``.png``).
     ``threads``: torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)."""
-    from treegrpo.models.bootstrap import ensure_bootstrapped
+    from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
 
     if threads:
         torch.set_num_threads(threads)

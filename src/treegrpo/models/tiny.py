@@ -1,27 +1,20 @@
-"""Tiny local models: a tokenizer trained with ``tokenizers`` and a small Qwen2 model, saved with
-``save_pretrained`` and loaded back through the same ``from_pretrained`` path as a real model.
-
-Nothing is downloaded. See DESIGN.md §7 for the transformers 5.x pitfalls this module avoids
-(``AutoTokenizer`` swaps in Qwen2's pre-tokenizer for a ``qwen2`` folder, so a locally trained
-tokenizer is loaded with ``PreTrainedTokenizerFast``; ``padding_side`` is not saved).
-"""
+"""Build tiny local models: a tokenizer trained with ``tokenizers`` and a small Qwen2, saved with
+``save_pretrained`` (plus a marker file) so that :mod:`treegrpo.models.loader` loads them back
+through the same ``from_pretrained`` path as a real model. Nothing is downloaded."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
-from transformers.utils import logging as hf_logging
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-# Loading/saving a 1M-parameter model needs no progress bars between our own progress lines.
-hf_logging.disable_progress_bar()
+from treegrpo.models.loader import EOS, MARKER_FILE, PAD
 
-EOS = "<|endoftext|>"
-PAD = "<|pad|>"
 # Protocol tags are single tokens in the tiny vocabulary, so a stop tag is one stop id.
 PROTOCOL_TAGS = (
     "<think>",
@@ -33,7 +26,6 @@ PROTOCOL_TAGS = (
     "<information>",
     "</information>",
 )
-MARKER_FILE = "treegrpo_tiny.json"
 
 
 def train_tokenizer(
@@ -105,33 +97,18 @@ def save_tiny(
     return folder
 
 
-def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
-    """Load a model folder's tokenizer, left padding, with a pad token.
-
-    A folder written by :func:`save_tiny` is loaded with ``PreTrainedTokenizerFast`` (its saved
-    ``tokenizer.json`` exactly); any other folder through ``AutoTokenizer``.
-    """
-    folder = Path(folder)
-    if (folder / MARKER_FILE).exists():
-        tok = PreTrainedTokenizerFast(
-            tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOS, pad_token=PAD
-        )
-    else:
-        tok = AutoTokenizer.from_pretrained(folder)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_model(
-    folder: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
-) -> torch.nn.Module:
-    """Load any local causal LM folder through ``from_pretrained``."""
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
-
-
-def tiny_info(folder: str | Path) -> dict:
-    """The bootstrap's recorded facts (warm-up success rates…), or ``{}`` for other folders."""
-    p = Path(folder) / MARKER_FILE
-    return json.loads(p.read_text()) if p.exists() else {}
+def model_for(cfg: Any, tok: PreTrainedTokenizerFast) -> torch.nn.Module:
+    """The small Qwen2 a bootstrap config describes (its ``hidden_size``, ``layers``, ``heads``,
+    ``kv_heads``, ``intermediate_size``, ``max_positions`` and ``seed``), sized to ``tok``."""
+    return build_model(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=cfg.max_positions,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        seed=cfg.seed,
+    )

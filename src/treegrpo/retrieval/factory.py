@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from treegrpo.errors import ConfigError
 from treegrpo.retrieval.base import (
     CorpusError,
     Doc,
@@ -30,7 +31,6 @@ from treegrpo.retrieval.base import (
     line_offsets,
     read_corpus,
 )
-from treegrpo.train.config import ConfigError
 
 RetrieverKind = Literal["bm25", "dense", "hybrid"]
 KINDS: tuple[str, ...] = ("bm25", "dense", "hybrid")

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from treegrpo.envs.base import AgentEnv, Task
-from treegrpo.rollout.engine import Engine, SamplingParams
+from treegrpo.envs.base import AgentEnv, StepOutcome, Task
+from treegrpo.rollout.engine import Engine, Generation, SamplingParams
 from treegrpo.tree import Forest, Node, Tree
 
 
@@ -55,6 +55,16 @@ class Budget:
     engine_requests: int = 0
     retrieval_errors: int = 0
     invalid_actions: int = 0
+
+    def count_step(self, gen: Generation, outcome: StepOutcome) -> None:
+        """Count one engine request and what the env did with it: the one place a step's cost
+        is booked (the agent loop and EPTree both call it)."""
+        self.generated_tokens += len(gen.tokens)
+        self.prefill_tokens += gen.prefill_tokens
+        self.engine_requests += 1
+        self.tool_calls += outcome.tool_calls
+        self.retrieval_errors += int(outcome.retrieval_error)
+        self.invalid_actions += int(outcome.kind == "invalid")
 
     def add(self, other: Budget) -> Budget:
         for k, v in asdict(other).items():
@@ -172,13 +182,7 @@ class StepRunner:
                 outcomes = self.env.step([c.task for c in active], texts, allowed)
             still: list[Cursor] = []
             for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
-                b = budgets[c.forest_index]
-                b.generated_tokens += len(g.tokens)
-                b.prefill_tokens += g.prefill_tokens
-                b.engine_requests += 1
-                b.tool_calls += out.tool_calls
-                b.retrieval_errors += int(out.retrieval_error)
-                b.invalid_actions += int(out.kind == "invalid")
+                budgets[c.forest_index].count_step(g, out)
                 obs_ids: list[int] = []
                 obs_text = out.observation
                 done, reward = out.done, out.reward

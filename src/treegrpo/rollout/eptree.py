@@ -41,7 +41,7 @@ import torch
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import Budget, RolloutResult, StepRunner
 from treegrpo.rollout.engine import SamplingParams, release_engine_cache
-from treegrpo.rollout.samplers import SamplerConfig, register_sampler
+from treegrpo.rollout.sampling import SamplerConfig
 from treegrpo.tree import Forest, Node, Tree
 
 ForkScore = Literal["logp", "entropy", "random"]
@@ -238,7 +238,7 @@ def _grow(
     """One engine call: a branch per request, each ending in a scored leaf. Returns 1 (calls)."""
     if not requests:
         return 0
-    contexts = [[tok for nd in r.tree.path(r.parent_id) for tok in nd.tokens] for r in requests]
+    contexts = [r.tree.context(r.parent_id) for r in requests]
     gens = runner.engine.generate(contexts, params, generator)
     texts = [
         _decode(runner.tokenizer, response_ids(r.tree, r.parent_id) + list(g.tokens))
@@ -247,12 +247,7 @@ def _grow(
     req_tasks = [tasks[r.forest_index] for r in requests]
     outcomes = runner.env.step(req_tasks, texts, [False] * len(requests))
     for r, g, task, text, out in zip(requests, gens, req_tasks, texts, outcomes, strict=True):
-        b = budgets[r.forest_index]
-        b.generated_tokens += len(g.tokens)
-        b.prefill_tokens += g.prefill_tokens
-        b.engine_requests += 1
-        b.tool_calls += out.tool_calls
-        b.invalid_actions += int(out.kind == "invalid")
+        budgets[r.forest_index].count_step(g, out)
         reward = out.reward if out.done and out.reward is not None else runner.env.score(task, text)
         r.tree.add(
             Node(
@@ -270,7 +265,6 @@ def _grow(
     return 1
 
 
-@register_sampler("eptree")
 def sample_eptree(
     runner: StepRunner,
     tasks: Sequence[Task],

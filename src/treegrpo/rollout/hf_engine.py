@@ -392,7 +392,7 @@ class HFEngine:
         prefix_cache_mb: float = 1024.0,
     ) -> HFEngine:
         """Load a local causal LM folder (a tiny model or any real one) with its tokenizer."""
-        from treegrpo.models.tiny import load_model, load_tokenizer
+        from treegrpo.models.loader import load_model, load_tokenizer
 
         model = load_model(folder, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = load_tokenizer(folder)

@@ -187,7 +187,7 @@ def make_plan(
 def recorded_chain_tokens(model_dir: str | Path) -> float | None:
     """Mean generated tokens per trajectory the bootstrapped agent in ``model_dir`` measured on its
     eval split (sampled at temperature 1), or ``None`` when the folder does not record it."""
-    from treegrpo.models.tiny import tiny_info
+    from treegrpo.models.loader import tiny_info
 
     try:
         value = tiny_info(Path(model_dir))["warmup_eval"]["sampled"]["generated_tokens"]

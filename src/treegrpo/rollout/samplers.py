@@ -1,76 +1,22 @@
-"""Samplers: how a group of trajectories per prompt is grown. All return forests.
-
-- ``chain``: G independent chains per prompt (each chain is its own tree).
-- ``tree``: Tree-GRPO's initialize-then-expand (DESIGN.md §5.3): M chains per prompt, then L
-  rounds in which N nodes of every tree are picked and one new trajectory is continued from each
-  picked node's full context. A tree ends with 1 + N·L leaves.
-
-Both go through the same :class:`~treegrpo.rollout.agent.StepRunner`, batched across every
-prompt and tree per turn, so their costs are measured by the same counters.
+"""The sampler registry: ``chain`` and ``tree`` (:mod:`treegrpo.rollout.trees`), ``eptree``
+(:mod:`treegrpo.rollout.eptree`), and any a user registers with :func:`register_sampler`.
+The trainer looks samplers up here by name, never by import.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import random
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
 
-import torch
+from treegrpo.rollout.eptree import sample_eptree
+from treegrpo.rollout.sampling import ExpandMode, Sampler, SamplerConfig
+from treegrpo.rollout.trees import pick_nodes, sample_chains, sample_trees
 
-from treegrpo.envs.base import Task
-from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
-from treegrpo.rollout.engine import release_engine_cache
-from treegrpo.tree import Forest, Node, Tree
-
-ExpandMode = Literal["random", "nonroot", "entropy"]
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    """Shape of the rollout group.
-
-    Attributes:
-        name: ``chain``, ``tree`` or ``eptree`` (:mod:`treegrpo.rollout.eptree`).
-        group_size: chains per prompt for ``chain`` (G).
-        m: initial chains per prompt for ``tree`` (M; official name ``ts_m``).
-        n: nodes expanded per tree per round (N; ``ts_n``).
-        l: expansion rounds (L; ``ts_l``).
-        expand_mode: ``random`` picks uniformly with replacement among the root and all non-leaf
-            nodes (the official code: a picked root starts a brand-new chain); ``nonroot`` excludes
-            the root whenever the tree has another non-leaf node; ``entropy`` prefers the node
-            (root included) whose next steps — its children, sampled from its context — had the
-            highest mean ``-log p``, so an uncertain step is re-sampled (EPTree's rule: fork
-            *before* the uncertain token), down-weighting nodes already expanded.
-        t: ``eptree``: branches per fork point (T); ``m``, ``n``, ``l`` are its M, N, L.
-        fork_score: ``eptree``: how tokens are ranked as fork points: ``logp`` (``-log p`` of the
-            sampled token), ``entropy`` (full-distribution entropy) or ``random``.
-    """
-
-    name: str = "tree"
-    group_size: int = 4
-    m: int = 2
-    n: int = 2
-    l: int = 1
-    expand_mode: ExpandMode = "random"
-    t: int = 2
-    fork_score: Literal["logp", "entropy", "random"] = "logp"
-
-    def trajectories_per_prompt(self) -> int:
-        if self.name == "eptree":  # at most: a tree with fewer candidate tokens forks less
-            return self.m * (1 + self.n * self.l * self.t)
-        return self.group_size if self.name == "chain" else self.m * (1 + self.n * self.l)
-
-
-Sampler = Callable[
-    [StepRunner, Sequence[Task], SamplerConfig, random.Random, "torch.Generator | None"], RolloutResult
-]
-SAMPLERS: dict[str, Sampler] = {}
+SAMPLERS: dict[str, Sampler] = {"chain": sample_chains, "tree": sample_trees, "eptree": sample_eptree}
 
 
 def register_sampler(name: str) -> Callable[[Sampler], Sampler]:
+    """Decorator: make ``fn`` available as sampler ``name``."""
+
     def deco(fn: Sampler) -> Sampler:
         SAMPLERS[name] = fn
         return fn
@@ -85,107 +31,15 @@ def get_sampler(name: str) -> Sampler:
         raise ValueError(f"unknown sampler {name!r}; choose one of {sorted(SAMPLERS)}") from None
 
 
-def _initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
-    forests = [runner.new_forest(t, n_trees) for t in tasks]
-    cursors = [
-        Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task)
-        for fi, (f, task) in enumerate(zip(forests, tasks, strict=True))
-        for tree in f.trees
-    ]
-    return forests, cursors
-
-
-@register_sampler("chain")
-def sample_chains(
-    runner: StepRunner,
-    tasks: Sequence[Task],
-    cfg: SamplerConfig,
-    rng: random.Random,
-    generator: torch.Generator | None = None,
-) -> RolloutResult:
-    """G independent chains per prompt, all prompts batched per turn: the tree sampler with
-    M = G and no expansion round, so both modes share one code path and one set of counters."""
-    return sample_trees(runner, tasks, dataclasses.replace(cfg, m=cfg.group_size, l=0), rng, generator)
-
-
-def _mean_surprise(node: Node) -> float:
-    lps = [lp for lp, m in zip(node.logprobs, node.policy_mask, strict=False) if m]
-    return -sum(lps) / len(lps) if lps else 0.0
-
-
-def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list[Node]:
-    """Choose ``n`` nodes of ``tree`` to expand (with replacement), per ``mode``."""
-    nonleaf = [nd for nd in tree.nodes if nd.parent is not None and not tree.is_leaf(nd.id)]
-    if mode == "random" or (mode == "nonroot" and not nonleaf):
-        candidates = [tree.root, *nonleaf]
-        return [rng.choice(candidates) for _ in range(n)]
-    if mode == "nonroot":
-        return [rng.choice(nonleaf) for _ in range(n)]
-    if mode == "entropy":
-        # Expanding a node re-samples the step taken from its context, so a node is scored by the
-        # steps already sampled there (its children): their mean -log p, averaged over children,
-        # divided by 1 + how often the node was already expanded (children beyond the first
-        # continuation, plus picks made this round). Exact ties break at random.
-        candidates = [tree.root, *nonleaf]
-        surprise = {}
-        for nd in candidates:
-            kids = tree.children[nd.id]
-            surprise[nd.id] = sum(_mean_surprise(tree.node(c)) for c in kids) / max(1, len(kids))
-        picks: list[Node] = []
-        times: dict[int, int] = {}
-        for _ in range(n):
-            scores = [
-                surprise[nd.id] / (1 + max(0, len(tree.children[nd.id]) - 1) + times.get(nd.id, 0))
-                for nd in candidates
-            ]
-            top = max(scores)
-            best = rng.choice([nd for nd, sc in zip(candidates, scores, strict=True) if sc == top])
-            times[best.id] = times.get(best.id, 0) + 1
-            picks.append(best)
-        return picks
-    raise ValueError(f"unknown expand_mode {mode!r}; choose random, nonroot or entropy")
-
-
-@register_sampler("tree")
-def sample_trees(
-    runner: StepRunner,
-    tasks: Sequence[Task],
-    cfg: SamplerConfig,
-    rng: random.Random,
-    generator: torch.Generator | None = None,
-) -> RolloutResult:
-    """Initialize-then-expand: M chains per prompt, then L rounds of N expansions per tree.
-
-    A tree's next round starts as soon as its own trajectories of the round have ended (picks
-    only look at that tree), so its expansions share engine calls with other trees' unfinished
-    chains instead of waiting for the slowest trajectory of the batch: one pass, no second tail.
-    """
-    t0 = time.perf_counter()
-    forests, cursors = _initialize(runner, tasks, cfg.m)
-    budgets = [Budget() for _ in tasks]
-    in_flight = {id(c.tree): 1 for c in cursors}  # trajectories of the tree's current round
-    rounds = {id(c.tree): 0 for c in cursors}  # expansion rounds started per tree
-
-    def on_end(c: Cursor) -> list[Cursor]:
-        key = id(c.tree)
-        in_flight[key] -= 1
-        if in_flight[key] > 0 or rounds[key] >= cfg.l:
-            return []
-        rounds[key] += 1
-        new = []
-        for node in pick_nodes(c.tree, cfg.n, cfg.expand_mode, rng):
-            path = c.tree.path(node.id)
-            context = [tok for nd in path for tok in nd.tokens]
-            new.append(Cursor(c.forest_index, c.tree, node.id, context, len(path) - 1, c.task))
-        in_flight[key] = len(new)
-        return new
-
-    calls = runner.run_turns(cursors, budgets, generator, on_end=on_end)
-    # Released only now: every expansion context is a prefix of a trajectory of an earlier round,
-    # whose KV the engine still holds (within its memory cap).
-    release_engine_cache(runner.engine)
-    return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)
-
-
-# Registers the ``eptree`` sampler (imported last: it builds on the definitions above).
-from treegrpo.rollout import eptree as _eptree  # noqa: E402, F401
+__all__ = [
+    "SAMPLERS",
+    "ExpandMode",
+    "Sampler",
+    "SamplerConfig",
+    "get_sampler",
+    "pick_nodes",
+    "register_sampler",
+    "sample_chains",
+    "sample_eptree",
+    "sample_trees",
+]

@@ -192,7 +192,7 @@ class VLLMEngine:
         llm = vllm.LLM(**kwargs)
         tokenizer = None
         try:  # the library's own tokenizer loader (exact ids for locally trained tokenizers)
-            from treegrpo.models.tiny import load_tokenizer
+            from treegrpo.models.loader import load_tokenizer
 
             tokenizer = load_tokenizer(folder)
         except Exception:  # pragma: no cover - fall back to vLLM's

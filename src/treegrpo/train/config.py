@@ -21,9 +21,9 @@ from pydantic import (
     model_validator,
 )
 
+from treegrpo.errors import ConfigError
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message is one line a user can act on."""
+__all__ = ["ConfigError", "TrainConfig", "load_config", "make_config", "parse_set"]
 
 
 class TrainConfig(BaseModel):

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,17 @@ from rich.console import Console
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
 from treegrpo.algos.losses import LossConfig
-from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.hf_engine import HFEngine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.train.checkpoint import find_checkpoint, load_state, save_checkpoint
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
+from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line
 from treegrpo.train.setup import RunParts, build_run
 from treegrpo.train.update import update
 from treegrpo.tree import write_forests
-
-EVAL_SEED = 12345  # evaluation draws from its own stream, never from the training RNG
 
 
 @dataclass
@@ -129,14 +127,14 @@ def train(
     logger = MetricsLogger(out, cfg.tensorboard, resume_step=start_step if resume_from else None)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
     console.print(
-        f"[bold]treegrpo[/] {cfg.sampler} {_shape(cfg)} · advantage {estimator} · model {parts.model_dir} · "
+        f"[bold]treegrpo[/] {cfg.sampler} {run_shape(cfg)} · advantage {estimator} · model {parts.model_dir} · "
         f"{len(parts.train_tasks)} train / {len(parts.eval_tasks)} eval questions · {cfg.steps} steps"
     )
     if resume_from is None:
         eval_start = eval_start or evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
-        em_curve.append([0, _headline(eval_start)])
+        em_curve.append([0, headline(eval_start)])
         logger.log(start_step, eval_start)
-        console.print(f"step {start_step:4d} · held-out success {_fmt_eval(eval_start)}")
+        console.print(f"step {start_step:4d} · held-out success {fmt_eval(eval_start)}")
     last_eval = eval_start
 
     # -- the loop --------------------------------------------------------------------------------
@@ -189,17 +187,17 @@ def train(
             if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
                 last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
                 metrics.update(last_eval)
-                em_curve.append([totals["generated_tokens"], _headline(last_eval)])
+                em_curve.append([totals["generated_tokens"], headline(last_eval)])
             if step == cfg.steps:
                 last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
                 metrics.update(last_eval)
-                em_curve.append([totals["generated_tokens"], _headline(last_eval)])
+                em_curve.append([totals["generated_tokens"], headline(last_eval)])
             logger.log(step, metrics)
             if cfg.dump_rollouts_every and (step % cfg.dump_rollouts_every == 0 or step == cfg.steps):
                 for f in result.forests:
                     score_forest(f, estimator, adv_cfg)
                 write_forests(result.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
-            console.print(_step_line(step, metrics))
+            console.print(step_line(step, metrics))
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 state = {
                     "step": step,
@@ -239,95 +237,20 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _load_weights(folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from treegrpo.models.tiny import load_model
+    from treegrpo.models.loader import load_model
 
     return load_model(folder).state_dict()
 
 
-# -- rollout and evaluation statistics ----------------------------------------------------------
 
 
-def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
-    """Reward, trajectory shape and budget figures of one rollout batch."""
-    leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
-    rewards = [float(leaf.reward or 0.0) for leaf in leaves]
-    b = result.total()
-    turns = [int(leaf.extra.get("turn", 0)) for leaf in leaves]
-    answered = [leaf.extra.get("kind") == "answer" for leaf in leaves]
-    solved_prompts = sum(any((leaf.reward or 0) > 0 for _, leaf in f.leaves()) for f in result.forests)
-    # groups with a non-zero advantage signal: forests whose leaves disagree
-    informative = sum(len({leaf.reward for _, leaf in f.leaves()}) > 1 for f in result.forests)
-    return {
-        "reward/mean": sum(rewards) / max(1, len(rewards)),
-        "reward/pass_at_group": solved_prompts / max(1, len(result.forests)),
-        "rollout/trajectories": n_traj,
-        "rollout/turns_mean": sum(turns) / max(1, len(turns)),
-        "rollout/answered_frac": sum(answered) / max(1, len(answered)),
-        "rollout/informative_groups": informative / max(1, len(result.forests)),
-        "budget/generated_tokens": b.generated_tokens,
-        "budget/prefill_tokens": b.prefill_tokens,
-        "budget/tool_calls": b.tool_calls,
-        "budget/engine_calls": result.engine_calls,
-        "budget/invalid_actions": b.invalid_actions,
-        "budget/retrieval_errors": b.retrieval_errors,
-        "budget/tool_calls_per_traj": b.tool_calls / max(1, n_traj),
-        "budget/traj_per_1k_tokens": 1000.0 * n_traj / max(1, b.generated_tokens),
-    }
 
 
-def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) -> dict[str, float]:
-    """Held-out success: greedy, and (optionally) sampled at T=1 — one chain per question, drawn
-    from a fixed evaluation stream so evaluating never moves the training RNG."""
-    out: dict[str, float] = {}
-    modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if sampled else [])
-    chains = get_sampler("chain")
-    for name, temp in modes:
-        r = StepRunner(
-            runner.engine,
-            runner.env,
-            runner.tokenizer,
-            dataclasses.replace(runner.cfg, temperature=temp, top_p=1.0),
-        )
-        result = chains(
-            r,
-            tasks,
-            SamplerConfig("chain", group_size=1),
-            random.Random(EVAL_SEED),
-            torch.Generator().manual_seed(EVAL_SEED),
-        )
-        leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
-        out[f"eval/success_{name}"] = sum(float(leaf.reward or 0.0) for leaf in leaves) / max(1, len(leaves))
-        out[f"eval/tool_calls_{name}"] = result.total().tool_calls / max(1, len(leaves))
-    return out
 
 
-def _headline(ev: dict[str, float]) -> float:
-    return ev.get("eval/success_sampled", ev["eval/success_greedy"])
 
 
-def _shape(cfg: TrainConfig) -> str:
-    if cfg.sampler == "eptree":
-        return f"(M,N,L,T)=({cfg.m},{cfg.n},{cfg.l},{cfg.t}) fork at {cfg.fork_score}"
-    return (
-        f"G={cfg.group_size}"
-        if cfg.sampler == "chain"
-        else f"(M,N,L)=({cfg.m},{cfg.n},{cfg.l}) {cfg.expand_mode}"
-    )
 
 
-def _fmt_eval(ev: dict[str, float]) -> str:
-    parts = [f"greedy {ev['eval/success_greedy']:.3f}"]
-    if "eval/success_sampled" in ev:
-        parts.insert(0, f"sampled {ev['eval/success_sampled']:.3f}")
-    return " · ".join(parts)
 
 
-def _step_line(step: int, m: dict[str, float]) -> str:
-    line = (
-        f"step {step:4d} · reward {m['reward/mean']:.3f} · traj {int(m['rollout/trajectories'])} · "
-        f"gen tok {int(m['budget/generated_tokens'])} · tools/traj {m['budget/tool_calls_per_traj']:.2f} · "
-        f"turns {m['rollout/turns_mean']:.2f} · {m['time/rollout_s']:.1f}s+{m['time/update_s']:.1f}s"
-    )
-    if "eval/success_greedy" in m:
-        line += f" · [bold]held-out {_fmt_eval(m)}[/]"
-    return line

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from treegrpo.data import DataError, extract_question, load_tasks
 from treegrpo.envs.search import SEARCH_R1_PROMPT
+from treegrpo.tasks.datafile import DataError, extract_question, load_tasks
 from treegrpo.train.config import ConfigError
 
 

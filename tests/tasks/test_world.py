@@ -9,7 +9,14 @@ import time
 import pytest
 
 from treegrpo.envs.search import SearchEnv
-from treegrpo.envs.world import PRESETS, QUESTION_TEMPLATES, SPLITS, WorldConfig, build_world, get_preset
+from treegrpo.tasks.world.world import (
+    PRESETS,
+    QUESTION_TEMPLATES,
+    SPLITS,
+    WorldConfig,
+    build_world,
+    get_preset,
+)
 
 
 @pytest.fixture(scope="module")

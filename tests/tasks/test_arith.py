@@ -10,22 +10,24 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from treegrpo.envs.arith import (
+from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.tasks.arith.bootstrap import (
     ArithBootstrapConfig,
-    ArithConfig,
-    ArithEnv,
-    all_problems,
     arith_run_parts,
     arith_tokenizer,
     bootstrap_arith,
-    build_problems,
     load_arith_setup,
     make_arith_demos,
+)
+from treegrpo.tasks.arith.problems import (
+    ArithConfig,
+    ArithEnv,
+    all_problems,
+    build_problems,
     parse_answer,
     solve_steps,
     worked_solution,
 )
-from treegrpo.envs.base import AgentEnv, Task
 
 SMALL = ArithConfig(min_steps=2, max_steps=2, max_start=40, n_train=40, n_eval=8)
 TINY_BOOT = ArithBootstrapConfig(
@@ -121,8 +123,8 @@ def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bootstrap_records_and_reloads(arith_model_dir: Path) -> None:
-    from treegrpo.models.bootstrap import is_bootstrapped
-    from treegrpo.models.tiny import load_model, load_tokenizer, tiny_info
+    from treegrpo.models.loader import load_model, load_tokenizer, tiny_info
+    from treegrpo.tasks.world.bootstrap import is_bootstrapped
 
     info = tiny_info(arith_model_dir)
     assert is_bootstrapped(arith_model_dir) and info["task"] == "arith"

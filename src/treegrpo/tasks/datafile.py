@@ -17,8 +17,12 @@ or the whole message when there is none (a prompt that is just the question). A 
 JSONL: one object per line, ``{"id", "question", "answers": [...]}``; ``answers`` may be a single
 string, and Search-R1's raw ``golden_answers`` is accepted in its place.
 
-Any problem raises :class:`DataError` (a :class:`~treegrpo.train.config.ConfigError`, shown by the
+Any problem raises :class:`DataError` (a :class:`~treegrpo.errors.ConfigError`, shown by the
 CLI as one line) naming the file, the row (1-based) and the field.
+
+As a run's task family (:data:`DATAFILE`): the file's questions (the last slice held out unless
+``--eval-data`` is given), searched with the configured retriever (``--corpus`` in process or a
+Search-R1 server at ``--retriever-url``); with no ``--model`` the search world's tiny agent.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.envs.base import Task
-from treegrpo.train.config import ConfigError
+from treegrpo.envs.search import SearchEnv
+from treegrpo.errors import ConfigError
+from treegrpo.models.loader import LoadedModel
+from treegrpo.retrieval.factory import make_retriever
+from treegrpo.tasks.base import TaskFamily, TaskSource
+from treegrpo.tasks.world.task import starting_model as world_starting_model
+from treegrpo.train.config import TrainConfig
 
 QUESTION_MARKER = "Question:"
 
@@ -175,3 +185,26 @@ def _unique_ids(tasks: list[Task]) -> list[Task]:
             t.id = f"{t.id}#{t.meta.get('row', len(seen))}"
         seen.add(t.id)
     return tasks
+
+
+def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
+    """The questions of ``cfg.data`` (held-out: ``cfg.eval_data`` or the file's last slice) and a
+    search env over the configured retriever; the prompt template defaults to ``minimal`` for the
+    tiny agent and ``search_r1`` otherwise."""
+    tasks = load_tasks(cfg.data)  # type: ignore[arg-type]
+    if cfg.eval_data:
+        eval_tasks = load_tasks(cfg.eval_data)
+    else:  # hold out the last slice of the data
+        k = max(1, min(cfg.eval_prompts, len(tasks) // 5))
+        if len(tasks) < 2:
+            raise ConfigError(f"{cfg.data}: needs at least 2 questions to hold some out, or pass --eval-data")
+        tasks, eval_tasks = tasks[:-k], tasks[-k:]
+    template = (
+        cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if model.is_tiny else "search_r1")
+    )
+    retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url)
+    env = SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
+    return TaskSource(env, tasks, eval_tasks)
+
+
+DATAFILE = TaskFamily("datafile", world_starting_model, source)

@@ -11,21 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from treegrpo.envs.world import PRESETS, build_world
-from treegrpo.models import bootstrap as bs
-from treegrpo.models.bootstrap import (
+from treegrpo.models.loader import load_model, load_tokenizer, tiny_info
+from treegrpo.models.tiny import build_model, train_tokenizer, wrap_tokenizer
+from treegrpo.rollout.agent import AgentConfig, StepRunner
+from treegrpo.tasks.world import bootstrap as world_bootstrap
+from treegrpo.tasks.world.bootstrap import (
     BootstrapConfig,
     bootstrap,
     default_model_dir,
-    encode_demo,
     ensure_bootstrapped,
     is_bootstrapped,
     load_setup,
-    make_demos,
-    make_env,
 )
-from treegrpo.models.tiny import load_model, load_tokenizer, tiny_info, train_tokenizer, wrap_tokenizer
-from treegrpo.rollout.agent import AgentConfig, StepRunner
+from treegrpo.tasks.world.demos import aux_demo_tasks, aux_worlds, make_demos, make_env
+from treegrpo.tasks.world.world import PRESETS, build_world
+from treegrpo.train import warmup
+from treegrpo.train.warmup import encode_demo
 
 TINY = BootstrapConfig(
     preset="tiny",
@@ -54,7 +55,7 @@ def parts():
     world = build_world(PRESETS["tiny"])
     env = make_env(world, topk=3)
     demos = make_demos(world, env, world.tasks("warmup"), TINY, random.Random(0))
-    tok = wrap_tokenizer(train_tokenizer([*world.texts(), *bs.demo_texts(demos, env)], vocab_size=600))
+    tok = wrap_tokenizer(train_tokenizer([*world.texts(), *warmup.demo_texts(demos, env)], vocab_size=600))
     return world, env, demos, tok
 
 
@@ -117,7 +118,7 @@ def test_loss_is_on_policy_tokens_only(parts):
     runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
     enc = [encode_demo(runner, d) for d in demos[:6]]
     assert any(sum(o is not None for _, o in d.steps) >= 2 for d in demos[:6])
-    batch = bs._collate(enc, tok.pad_token_id, decision_weight=3.0)
+    batch = warmup._collate(enc, tok.pad_token_id, decision_weight=3.0)
     decisions = 0
     for r, e in enumerate(enc):
         n = len(e.ids)
@@ -135,8 +136,8 @@ def test_loss_is_on_policy_tokens_only(parts):
             else:
                 assert w[t] == 1.0
     assert decisions > 0
-    model = bs.build_model(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64)
-    loss = bs.policy_token_loss(model, batch)
+    model = build_model(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64)
+    loss = warmup.policy_token_loss(model, batch)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     terms, weights = [], []
     for r, e in enumerate(enc):
@@ -147,7 +148,7 @@ def test_loss_is_on_policy_tokens_only(parts):
     w = torch.tensor(weights)
     assert torch.allclose(loss, (torch.stack(terms) * w).sum() / w.sum(), atol=1e-5)
     plain = {k: v for k, v in batch.items() if k != "weights"}
-    assert torch.allclose(bs.policy_token_loss(model, plain), torch.stack(terms).mean(), atol=1e-5)
+    assert torch.allclose(warmup.policy_token_loss(model, plain), torch.stack(terms).mean(), atol=1e-5)
 
 
 def test_packed_batch_equals_separate_rows(parts):
@@ -155,22 +156,22 @@ def test_packed_batch_equals_separate_rows(parts):
     runner = StepRunner(None, env, tok, AgentConfig(use_chat_template=False))  # type: ignore[arg-type]
     enc = [encode_demo(runner, d) for d in demos[:12]]
     lengths = [len(e.ids) for e in enc]
-    rows = bs._pack(lengths, list(range(len(enc))), 160)
+    rows = warmup._pack(lengths, list(range(len(enc))), 160)
     assert sorted(i for r in rows for i in r) == list(range(len(enc)))
     assert all(sum(lengths[i] for i in r) <= max(160, *(lengths[i] for i in r)) for r in rows)
     assert len(rows) < len(enc)  # several demos share a row
-    model = bs.build_model(len(tok), hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64)
-    packed = bs._collate_packed(enc, rows, tok.pad_token_id, 3.0)
-    separate = bs._collate(enc, tok.pad_token_id, 3.0)
+    model = build_model(len(tok), hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64)
+    packed = warmup._collate_packed(enc, rows, tok.pad_token_id, 3.0)
+    separate = warmup._collate(enc, tok.pad_token_id, 3.0)
     assert torch.allclose(
-        bs.policy_token_loss(model, packed), bs.policy_token_loss(model, separate), atol=1e-5
+        warmup.policy_token_loss(model, packed), warmup.policy_token_loss(model, separate), atol=1e-5
     )
     assert int((packed["labels"] != -100).sum()) == int((separate["labels"] != -100).sum())
 
 
 def test_batches_are_random_not_length_sorted():
     rng = random.Random(0)
-    batches = bs._batches(100, 10, rng)
+    batches = warmup._batches(100, 10, rng)
     assert sorted(i for b in batches for i in b) == list(range(100))
     assert any(b != sorted(b) for b in batches) and batches[0] != list(range(10))
 
@@ -198,12 +199,12 @@ def test_demo_imperfections(parts):
 
 
 def test_aux_worlds_share_names_not_facts():
-    (aux,) = bs.aux_worlds(TINY)
+    (aux,) = aux_worlds(TINY)
     target = build_world(PRESETS["tiny"])
     assert set(aux.entities) == set(target.entities)
     assert [d.contents for d in aux.corpus] != [d.contents for d in target.corpus]
     held = {t.question for s in ("train", "eval") for t in target.tasks(s)}
-    assert not held & {t.question for t in bs.aux_demo_tasks(aux, target)}
+    assert not held & {t.question for t in aux_demo_tasks(aux, target)}
 
 
 def test_cache_dir_and_ensure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_folder: Path):
@@ -215,7 +216,7 @@ def test_cache_dir_and_ensure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, t
     import shutil
 
     shutil.copytree(tiny_folder, folder)
-    monkeypatch.setattr(bs, "bootstrap", lambda *a, **k: pytest.fail("rebuilt a cached model"))
+    monkeypatch.setattr(world_bootstrap, "bootstrap", lambda *a, **k: pytest.fail("rebuilt a cached model"))
     assert ensure_bootstrapped("tiny", cfg=TINY) == folder
 
 
@@ -237,13 +238,13 @@ def test_cli_prints_recorded_success(tiny_folder: Path):
 
 def test_world_seed_variant_has_its_own_cached_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path))
-    own = bs.BootstrapConfig.for_preset("tiny")
-    assert bs.BootstrapConfig.for_preset("tiny", world_seed=PRESETS["tiny"].seed) == own  # the preset's own world
-    other = bs.BootstrapConfig.for_preset("tiny", world_seed=5)
+    own = BootstrapConfig.for_preset("tiny")
+    assert BootstrapConfig.for_preset("tiny", world_seed=PRESETS["tiny"].seed) == own  # the preset's own world
+    other = BootstrapConfig.for_preset("tiny", world_seed=5)
     assert other.world_config() == dataclasses.replace(PRESETS["tiny"], seed=5)
     assert default_model_dir(other).name.startswith("tiny-w5-")
     assert default_model_dir(other) != default_model_dir(own)
     # the hash of the preset's own recipe does not depend on the new field
     assert "world_seed" not in own.to_dict()
     with pytest.raises(ValueError, match="unknown world preset"):
-        bs.BootstrapConfig.for_preset("nope")
+        BootstrapConfig.for_preset("nope")

@@ -1,0 +1,125 @@
+"""Load a model reference into ``(model, tokenizer)``: the one place the transformers 5.x
+pitfalls are handled (DESIGN.md §7).
+
+- A folder written by :func:`treegrpo.models.tiny.save_tiny` (it has ``treegrpo_tiny.json``) holds
+  a locally trained tokenizer: ``AutoTokenizer`` would swap in Qwen2's pre-tokenizer for a
+  ``qwen2`` folder (other ids than the saved ``tokenizer.json``), so it is loaded with
+  ``PreTrainedTokenizerFast`` from the file itself.
+- ``padding_side`` is not saved: every tokenizer is set to left padding (the engines batch
+  prompts left-padded), and gets a pad token (EOS when it has none).
+- Models load through ``AutoModelForCausalLM.from_pretrained`` with an explicit ``dtype`` and
+  ``attn_implementation`` (``sdpa``: a custom 4D mask is accepted as bool or float).
+
+A model reference is a local folder today; :func:`resolve_model_ref` is where hub ids and GGUF
+files plug in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from treegrpo.errors import ConfigError
+
+# Loading/saving a 1M-parameter model needs no progress bars between our own progress lines.
+hf_logging.disable_progress_bar()
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+MARKER_FILE = "treegrpo_tiny.json"
+
+
+class ModelLoadError(ConfigError):
+    """A model reference that cannot be loaded; the message is one line naming the fix."""
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model reference.
+
+    Attributes:
+        folder: the local folder it was loaded from.
+        model: the causal LM (``eval()`` mode is the caller's business).
+        tokenizer: left-padding tokenizer with a pad token.
+        info: the bootstrap record of a tiny folder (``treegrpo_tiny.json``), ``{}`` otherwise.
+    """
+
+    folder: Path
+    model: torch.nn.Module
+    tokenizer: Any
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_tiny(self) -> bool:
+        """A folder built by :mod:`treegrpo.models.tiny` (a bootstrapped tiny agent)."""
+        return (self.folder / MARKER_FILE).exists()
+
+
+def resolve_model_ref(ref: str | Path) -> Path:
+    """The local folder of a model reference (today: a local causal-LM folder)."""
+    folder = Path(ref).expanduser()
+    if not (folder / "config.json").exists():
+        raise ModelLoadError(f"--model {folder}: not a model folder (no config.json); give a local causal-LM folder")
+    return folder
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """Load a model folder's tokenizer, left padding, with a pad token.
+
+    A folder written by :func:`save_tiny` is loaded with ``PreTrainedTokenizerFast`` (its saved
+    ``tokenizer.json`` exactly); any other folder through ``AutoTokenizer``.
+    """
+    folder = Path(folder)
+    if (folder / MARKER_FILE).exists():
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOS, pad_token=PAD
+        )
+    else:
+        tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    folder: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
+    """Load any local causal LM folder through ``from_pretrained``."""
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def tiny_info(folder: str | Path) -> dict[str, Any]:
+    """The bootstrap's recorded facts (warm-up success rates…), or ``{}`` for other folders."""
+    p = Path(folder) / MARKER_FILE
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def load_pretrained(
+    ref: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load model + tokenizer of ``ref`` (:func:`resolve_model_ref`) onto ``device``."""
+    folder = resolve_model_ref(ref)
+    tokenizer = load_tokenizer(folder)
+    model = load_model(folder, dtype=dtype).to(device)
+    return LoadedModel(folder, model, tokenizer, tiny_info(folder))
+
+
+__all__ = [
+    "EOS",
+    "MARKER_FILE",
+    "PAD",
+    "LoadedModel",
+    "ModelLoadError",
+    "load_model",
+    "load_pretrained",
+    "load_tokenizer",
+    "resolve_model_ref",
+    "tiny_info",
+]

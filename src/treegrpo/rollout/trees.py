@@ -1,0 +1,124 @@
+"""Agent-step samplers (DESIGN.md §5.3). All return forests.
+
+- ``chain``: G independent chains per prompt (each chain is its own tree).
+- ``tree``: Tree-GRPO's initialize-then-expand: M chains per prompt, then L rounds in which N
+  nodes of every tree are picked and one new trajectory is continued from each picked node's full
+  context. A tree ends with 1 + N·L leaves.
+
+Both go through the same :class:`~treegrpo.rollout.agent.StepRunner`, batched across every
+prompt and tree per turn, so their costs are measured by the same counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+
+from treegrpo.envs.base import Task
+from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
+from treegrpo.rollout.engine import release_engine_cache
+from treegrpo.rollout.sampling import ExpandMode, SamplerConfig
+from treegrpo.tree import Forest, Node, Tree
+
+
+def _initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
+    forests = [runner.new_forest(t, n_trees) for t in tasks]
+    cursors = [
+        Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task)
+        for fi, (f, task) in enumerate(zip(forests, tasks, strict=True))
+        for tree in f.trees
+    ]
+    return forests, cursors
+
+
+def sample_chains(
+    runner: StepRunner,
+    tasks: Sequence[Task],
+    cfg: SamplerConfig,
+    rng: random.Random,
+    generator: torch.Generator | None = None,
+) -> RolloutResult:
+    """G independent chains per prompt, all prompts batched per turn: the tree sampler with
+    M = G and no expansion round, so both modes share one code path and one set of counters."""
+    return sample_trees(runner, tasks, dataclasses.replace(cfg, m=cfg.group_size, l=0), rng, generator)
+
+
+def _mean_surprise(node: Node) -> float:
+    lps = [lp for lp, m in zip(node.logprobs, node.policy_mask, strict=False) if m]
+    return -sum(lps) / len(lps) if lps else 0.0
+
+
+def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list[Node]:
+    """Choose ``n`` nodes of ``tree`` to expand (with replacement), per ``mode``."""
+    nonleaf = [nd for nd in tree.nodes if nd.parent is not None and not tree.is_leaf(nd.id)]
+    if mode == "random" or (mode == "nonroot" and not nonleaf):
+        candidates = [tree.root, *nonleaf]
+        return [rng.choice(candidates) for _ in range(n)]
+    if mode == "nonroot":
+        return [rng.choice(nonleaf) for _ in range(n)]
+    if mode == "entropy":
+        # Expanding a node re-samples the step taken from its context, so a node is scored by the
+        # steps already sampled there (its children): their mean -log p, averaged over children,
+        # divided by 1 + how often the node was already expanded (children beyond the first
+        # continuation, plus picks made this round). Exact ties break at random.
+        candidates = [tree.root, *nonleaf]
+        surprise = {}
+        for nd in candidates:
+            kids = tree.children[nd.id]
+            surprise[nd.id] = sum(_mean_surprise(tree.node(c)) for c in kids) / max(1, len(kids))
+        picks: list[Node] = []
+        times: dict[int, int] = {}
+        for _ in range(n):
+            scores = [
+                surprise[nd.id] / (1 + max(0, len(tree.children[nd.id]) - 1) + times.get(nd.id, 0))
+                for nd in candidates
+            ]
+            top = max(scores)
+            best = rng.choice([nd for nd, sc in zip(candidates, scores, strict=True) if sc == top])
+            times[best.id] = times.get(best.id, 0) + 1
+            picks.append(best)
+        return picks
+    raise ValueError(f"unknown expand_mode {mode!r}; choose random, nonroot or entropy")
+
+
+def sample_trees(
+    runner: StepRunner,
+    tasks: Sequence[Task],
+    cfg: SamplerConfig,
+    rng: random.Random,
+    generator: torch.Generator | None = None,
+) -> RolloutResult:
+    """Initialize-then-expand: M chains per prompt, then L rounds of N expansions per tree.
+
+    A tree's next round starts as soon as its own trajectories of the round have ended (picks
+    only look at that tree), so its expansions share engine calls with other trees' unfinished
+    chains instead of waiting for the slowest trajectory of the batch: one pass, no second tail.
+    """
+    t0 = time.perf_counter()
+    forests, cursors = _initialize(runner, tasks, cfg.m)
+    budgets = [Budget() for _ in tasks]
+    in_flight = {id(c.tree): 1 for c in cursors}  # trajectories of the tree's current round
+    rounds = {id(c.tree): 0 for c in cursors}  # expansion rounds started per tree
+
+    def on_end(c: Cursor) -> list[Cursor]:
+        key = id(c.tree)
+        in_flight[key] -= 1
+        if in_flight[key] > 0 or rounds[key] >= cfg.l:
+            return []
+        rounds[key] += 1
+        new = []
+        for node in pick_nodes(c.tree, cfg.n, cfg.expand_mode, rng):
+            context = c.tree.context(node.id)
+            new.append(Cursor(c.forest_index, c.tree, node.id, context, c.tree.depth(node.id), c.task))
+        in_flight[key] = len(new)
+        return new
+
+    calls = runner.run_turns(cursors, budgets, generator, on_end=on_end)
+    # Released only now: every expansion context is a prefix of a trajectory of an earlier round,
+    # whose KV the engine still holds (within its memory cap).
+    release_engine_cache(runner.engine)
+    return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)

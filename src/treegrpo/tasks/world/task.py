@@ -1,0 +1,38 @@
+"""The synthetic search world as a run's task family: the preset's world (or its ``world_seed``
+variant), BM25 over its passages, its ``train``/``eval`` splits; the starting policy is the
+preset's bootstrapped tiny agent."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from treegrpo.envs.search import SearchEnv
+from treegrpo.errors import ConfigError
+from treegrpo.models.loader import LoadedModel
+from treegrpo.retrieval.bm25 import BM25Retriever
+from treegrpo.tasks.base import TaskFamily, TaskSource
+from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
+from treegrpo.tasks.world.world import PRESETS, build_world
+from treegrpo.train.config import TrainConfig
+
+
+def starting_model(cfg: TrainConfig) -> Path:
+    """The preset's bootstrapped tiny agent (built and cached on first use)."""
+    return ensure_bootstrapped(cfg.preset, world_seed=cfg.world_seed)
+
+
+def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
+    """The preset's world searched with BM25; the ``minimal`` prompt unless the config names one."""
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"unknown world preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+    wcfg = PRESETS[cfg.preset]
+    if cfg.world_seed is not None:
+        wcfg = dataclasses.replace(wcfg, seed=cfg.world_seed)
+    world = build_world(wcfg)
+    template = "minimal" if cfg.prompt_template == "auto" else cfg.prompt_template
+    env = SearchEnv(BM25Retriever(world.corpus), topk=cfg.topk, metric=cfg.reward, prompt_template=template)
+    return TaskSource(env, world.tasks("train"), world.tasks("eval"))
+
+
+WORLD = TaskFamily("world", starting_model, source)

@@ -1,0 +1,51 @@
+"""Held-out evaluation: one chain per question, greedy and sampled at T=1, drawn from a fixed
+evaluation stream so that evaluating never moves the training RNG (runs from one model can
+share their start evaluation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+
+import torch
+
+from treegrpo.envs.base import Task
+from treegrpo.rollout.agent import StepRunner
+from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+
+EVAL_SEED = 12345  # evaluation draws from its own stream, never from the training RNG
+
+
+def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) -> dict[str, float]:
+    """Held-out success: greedy, and (optionally) sampled at T=1 — one chain per question, drawn
+    from a fixed evaluation stream so evaluating never moves the training RNG."""
+    out: dict[str, float] = {}
+    modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if sampled else [])
+    chains = get_sampler("chain")
+    for name, temp in modes:
+        r = StepRunner(
+            runner.engine,
+            runner.env,
+            runner.tokenizer,
+            dataclasses.replace(runner.cfg, temperature=temp, top_p=1.0),
+        )
+        result = chains(
+            r,
+            tasks,
+            SamplerConfig("chain", group_size=1),
+            random.Random(EVAL_SEED),
+            torch.Generator().manual_seed(EVAL_SEED),
+        )
+        leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
+        out[f"eval/success_{name}"] = sum(float(leaf.reward or 0.0) for leaf in leaves) / max(1, len(leaves))
+        out[f"eval/tool_calls_{name}"] = result.total().tool_calls / max(1, len(leaves))
+    return out
+
+
+def headline(ev: dict[str, float]) -> float:
+    """The headline held-out figure: sampled success when measured, else greedy."""
+    return ev.get("eval/success_sampled", ev["eval/success_greedy"])
+
+
+__all__ = ["EVAL_SEED", "evaluate", "headline"]

@@ -1,0 +1,277 @@
+"""Supervised warm-up on demonstrations: the step every bootstrap takes before RL (and any model
+can take: real instruct models learn the tags the same way).
+
+A :class:`Demo` is a task and its steps (policy text, then the observation text or ``None``).
+:func:`encode_demo` turns it into exactly the token sequence the agent loop would hold
+(:meth:`~treegrpo.rollout.agent.StepRunner.prompt_ids`, then per step the step's ids — loss on —
+and the observation's ids, truncated to ``max_obs_tokens`` — loss off), so the policy is trained
+on the very sequences it will see. :func:`supervised_warmup` runs AdamW on the policy tokens:
+random batches (not length-bucketed: a demo's length gives away its search-or-answer decisions)
+packed into rows with block-diagonal attention, a linear warm-up, a constant phase and a cosine
+decay (:class:`WarmupConfig`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.rollout.agent import StepRunner
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """The supervised warm-up's optimisation recipe.
+
+    Attributes:
+        epochs: passes over the demonstrations (may be fractional).
+        batch_size: demonstrations per optimizer step (drawn at random, not length-bucketed).
+        pack_len: demos of a batch are packed into rows of this many tokens (block-diagonal
+            attention, positions restarting per demo); 0 = one right-padded demo per row.
+        lr / weight_decay / warmup_frac / grad_clip: AdamW (betas 0.9/0.98) with a linear warm-up
+            over ``warmup_frac`` of the steps, then a constant rate, then a cosine decay to 0 over
+            the last ``lr_decay_frac`` of the steps after warm-up (1.0 = plain cosine).
+        decision_weight: loss weight of the first token of each step after an observation (the
+            search-on-or-answer decision); 1.0 = every policy token alike.
+    """
+
+    epochs: float = 6
+    batch_size: int = 32
+    pack_len: int = 256
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.05
+    lr_decay_frac: float = 0.25
+    decision_weight: float = 1.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class Demo:
+    """One demonstration: a task and its steps (policy text, then observation text or ``None``)."""
+
+    task: Task
+    steps: list[tuple[str, str | None]]
+    kind: str  # "correct" | "guess" | "shortcut" | "bad_query"
+    reward: float = 0.0
+
+
+@dataclass
+class EncodedDemo:
+    """A demo as the agent loop would hold it: ids and the policy mask (1 = trained on)."""
+
+    ids: list[int]
+    policy_mask: list[int]
+
+
+def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
+    """Token ids and policy mask of ``demo``, built exactly as the agent loop builds a context."""
+    tok = runner.tokenizer
+    ids = list(runner.prompt_ids(demo.task))
+    mask = [0] * len(ids)
+    for step, obs in demo.steps:
+        s = list(tok.encode(step, add_special_tokens=False))
+        ids += s
+        mask += [1] * len(s)
+        if obs is not None:
+            o = list(tok.encode(obs, add_special_tokens=False))[: runner.cfg.max_obs_tokens]
+            ids += o
+            mask += [0] * len(o)
+    return EncodedDemo(ids, mask)
+
+
+def demo_texts(demos: Sequence[Demo], env: AgentEnv) -> list[str]:
+    """Full demo transcripts (prompt, steps, observations), for tokenizer training."""
+    return [env.prompt(d.task) + "".join(s + (o or "") for s, o in d.steps) for d in demos]
+
+
+def _batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One shuffled epoch of random batches.
+
+    Not length-bucketed on purpose: a demo's length says whether it searched on or answered, so
+    length-sorted batches carry correlated decision labels and whipsaw the search-or-answer logit
+    (the warm-up then learns a context-free answering rate instead of *when* to stop). Packing
+    keeps the padding low instead.
+    """
+    order = list(range(n))
+    rng.shuffle(order)
+    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _pack(lengths: Sequence[int], idx: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit-decreasing packing of demos ``idx`` into rows of ``row_len`` tokens (a longer
+    demo gets a row of its own)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(idx, key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - lengths[i])
+    return rows
+
+
+def _collate_packed(
+    encoded: Sequence[EncodedDemo], rows: Sequence[Sequence[int]], pad_id: int, decision_weight: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Like :func:`_collate`, several demos per row: positions restart at 0 for each demo and a 4D
+    additive attention mask keeps every demo causal and blind to the others in its row."""
+    singles = [[encoded[i] for i in row] for row in rows]
+    flat = _collate([e for row in singles for e in row], pad_id, decision_weight)
+    width = max(sum(len(e.ids) for e in row) for row in singles)
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    lab = torch.full((n, width), -100, dtype=torch.long)
+    wts = torch.zeros((n, width), dtype=torch.float32)
+    pos = torch.zeros((n, width), dtype=torch.long)
+    allowed = torch.zeros((n, width, width), dtype=torch.bool)
+    k = 0
+    for r, row in enumerate(singles):
+        start = 0
+        for e in row:
+            m = len(e.ids)
+            ids[r, start : start + m] = flat["input_ids"][k, :m]
+            lab[r, start : start + m] = flat["labels"][k, :m]
+            wts[r, start : start + m] = flat["weights"][k, :m]
+            pos[r, start : start + m] = torch.arange(m)
+            allowed[r, start : start + m, start : start + m] = torch.ones((m, m), dtype=torch.bool).tril()
+            start += m
+            k += 1
+        allowed[r, range(start, width), range(start, width)] = True  # padding sees itself (no empty rows)
+    mask = torch.zeros((n, 1, width, width), dtype=torch.float32)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "labels": lab, "weights": wts}
+
+
+def _collate(
+    encoded: Sequence[EncodedDemo], pad_id: int, decision_weight: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch: ids, attention mask, positions, labels (-100 off the policy) and
+    per-token loss weights (``decision_weight`` on the first token of every step that follows an
+    observation — where the policy chooses to search on or to answer — 1 on other policy tokens)."""
+    width = max(len(e.ids) for e in encoded)
+    n = len(encoded)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    att = torch.zeros((n, width), dtype=torch.long)
+    lab = torch.full((n, width), -100, dtype=torch.long)
+    wts = torch.zeros((n, width), dtype=torch.float32)
+    for r, e in enumerate(encoded):
+        t = torch.tensor(e.ids, dtype=torch.long)
+        ids[r, : len(e.ids)] = t
+        att[r, : len(e.ids)] = 1
+        m = torch.tensor(e.policy_mask, dtype=torch.bool)
+        lab[r, : len(e.ids)] = torch.where(m, t, torch.full_like(t, -100))
+        w = m.float()
+        if decision_weight != 1.0 and len(e.ids) > 1:
+            starts = m[1:] & ~m[:-1]  # a policy token right after a non-policy one ...
+            starts &= torch.cumsum(m.long(), 0)[:-1] > 0  # ... that is not the first step's
+            w[1:] = torch.where(starts, torch.full_like(w[1:], decision_weight), w[1:])
+        wts[r, : len(e.ids)] = w
+    pos = torch.arange(width).unsqueeze(0).expand(n, width)
+    return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "labels": lab, "weights": wts}
+
+
+def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy over policy tokens only (labels are -100 elsewhere), weighted by
+    ``batch["weights"]`` when present (a weighted mean), else a plain mean.
+
+    Logits are computed at the policy positions only (most positions are prompt and observation
+    tokens, so this skips most of the output layer's work)."""
+    labels = batch["labels"][:, 1:]
+    sel = labels != -100
+    base = getattr(model, "model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if isinstance(base, torch.nn.Module) and head is not None:
+        logits = head(base(**kwargs).last_hidden_state[:, :-1][sel])
+    else:  # any other causal LM: full logits
+        logits = model(**kwargs).logits[:, :-1][sel]
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels[sel], reduction="none")
+    if "weights" not in batch:
+        return ce.mean()
+    w = batch["weights"][:, 1:][sel]
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def supervised_warmup(
+    model: torch.nn.Module,
+    encoded: Sequence[EncodedDemo],
+    cfg: WarmupConfig,
+    pad_id: int,
+    rng: random.Random,
+    progress: Any = None,
+) -> dict[str, float]:
+    """AdamW on the demos' policy tokens; returns loss statistics."""
+    lengths = [len(e.ids) for e in encoded]
+    per_epoch = math.ceil(len(encoded) / cfg.batch_size)
+    total = max(1, math.ceil(cfg.epochs * per_epoch))
+    plan: list[list[int]] = []
+    while len(plan) < total:  # whole shuffled epochs; a fractional last one is cut short
+        plan += _batches(len(encoded), cfg.batch_size, rng)
+    plan = plan[:total]
+
+    def batch_of(idx: list[int]) -> dict[str, torch.Tensor]:
+        if cfg.pack_len <= 0:
+            return _collate([encoded[i] for i in idx], pad_id, cfg.decision_weight)
+        row_len = max(cfg.pack_len, *(lengths[i] for i in idx))
+        return _collate_packed(encoded, _pack(lengths, idx, row_len), pad_id, cfg.decision_weight)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warm = max(1, int(cfg.warmup_frac * total))
+
+    decay = max(1, round(cfg.lr_decay_frac * (total - warm)))  # cosine over the last `decay` steps
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        into = step - (total - decay)
+        if into < 0:
+            return cfg.lr
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * into / decay))
+
+    model.train()
+    ema: float | None = None
+    last_epoch: list[float] = []
+    task_id = progress.add_task("warm-up (SFT)", total=total) if progress is not None else None
+    for step, idx in enumerate(plan):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = policy_token_loss(model, batch_of(idx))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        val = float(loss.detach())
+        ema = val if ema is None else 0.95 * ema + 0.05 * val
+        if step >= total - per_epoch:
+            last_epoch.append(val)
+        if progress is not None:
+            progress.update(task_id, advance=1, description=f"warm-up (SFT) loss {ema:.3f}")
+    model.eval()
+    return {
+        "final_loss": sum(last_epoch) / max(1, len(last_epoch)),
+        "final_loss_ema": float(ema or 0.0),
+        "steps": total,
+    }
+
+
+
+__all__ = [
+    "Demo",
+    "EncodedDemo",
+    "WarmupConfig",
+    "demo_texts",
+    "encode_demo",
+    "policy_token_loss",
+    "supervised_warmup",
+]
