@@ -26,6 +26,7 @@ import torch
 from tokenizers import pre_tokenizers
 
 from treegrpo.envs.base import Task
+from treegrpo.fingerprint import code_fingerprint
 from treegrpo.io import atomic_write_dir, user_cache_dir
 from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
@@ -44,6 +45,15 @@ from treegrpo.tasks.arith.problems import (
 from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demo, supervised_warmup
 
 ARITH_BOOTSTRAP_VERSION = 1
+# The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
+# to any of them is a new cache key.
+WEIGHT_MODULES = (
+    "treegrpo.rollout.agent",
+    "treegrpo.models.tiny",
+    "treegrpo.tasks.arith.problems",
+    "treegrpo.tasks.arith.bootstrap",
+    "treegrpo.train.warmup",
+)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,10 @@ class ArithBootstrapConfig:
         return cls(**kw)
 
     def config_hash(self) -> str:
-        blob = json.dumps({"v": ARITH_BOOTSTRAP_VERSION, **self.to_dict()}, sort_keys=True)
+        """A short hash of the settings, the recipe version and the code that runs the recipe."""
+        blob = json.dumps(
+            {"v": ARITH_BOOTSTRAP_VERSION, "code": code_fingerprint(WEIGHT_MODULES), **self.to_dict()}, sort_keys=True
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
@@ -238,6 +251,7 @@ def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) ->
             "arith_bootstrap_version": ARITH_BOOTSTRAP_VERSION,
             "config": cfg.to_dict(),
             "config_hash": cfg.config_hash(),
+            "code_fingerprint": code_fingerprint(WEIGHT_MODULES),
             "problems": cfg.problems.to_dict(),
             "agent": asdict(cfg.agent_config()),
             "params": n_params,

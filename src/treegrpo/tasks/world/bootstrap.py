@@ -23,6 +23,7 @@ import torch
 
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
+from treegrpo.fingerprint import code_fingerprint
 from treegrpo.io import atomic_write_dir, user_cache_dir
 from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
@@ -33,6 +34,20 @@ from treegrpo.tasks.world.world import World, WorldConfig, build_world, get_pres
 from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demo, supervised_warmup
 
 BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are rebuilt
+# The modules whose code decides the weights (world, demos, tokenizer, model, warm-up, the context
+# encoding): a change to any of them is a new cache key, so a cached model is what this code builds.
+WEIGHT_MODULES = (
+    "treegrpo.envs.search",
+    "treegrpo.envs.rewards",
+    "treegrpo.retrieval.base",
+    "treegrpo.retrieval.bm25",
+    "treegrpo.rollout.agent",
+    "treegrpo.models.tiny",
+    "treegrpo.tasks.world.world",
+    "treegrpo.tasks.world.demos",
+    "treegrpo.tasks.world.bootstrap",
+    "treegrpo.train.warmup",
+)
 
 
 @dataclass(frozen=True)
@@ -158,8 +173,11 @@ class BootstrapConfig:
         return d
 
     def config_hash(self) -> str:
-        """A short hash of everything that determines the result (and the recipe version)."""
-        blob = json.dumps({"v": BOOTSTRAP_VERSION, **self.to_dict()}, sort_keys=True)
+        """A short hash of everything that determines the weights: the settings, the recipe version,
+        and the code and library versions that run the recipe (:func:`~treegrpo.fingerprint.code_fingerprint`)."""
+        blob = json.dumps(
+            {"v": BOOTSTRAP_VERSION, "code": code_fingerprint(WEIGHT_MODULES), **self.to_dict()}, sort_keys=True
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -285,6 +303,7 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
             "seed": cfg.seed,
             "config": cfg.to_dict(),
             "config_hash": cfg.config_hash(),
+            "code_fingerprint": code_fingerprint(WEIGHT_MODULES),
             "env": {"topk": cfg.topk, "prompt_template": cfg.prompt_template, "metric": env.metric},
             "agent": asdict(cfg.agent_config()),
             "params": n_params,
