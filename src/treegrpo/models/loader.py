@@ -62,11 +62,41 @@ class LoadedModel:
 
 
 def resolve_model_ref(ref: str | Path) -> Path:
-    """The local folder of a model reference (today: a local causal-LM folder)."""
+    """The local folder of a model reference (today: a local causal-LM folder), checked so that a
+    broken folder is one clear error instead of a traceback from deep inside transformers."""
     folder = Path(ref).expanduser()
-    if not (folder / "config.json").exists():
-        raise ModelLoadError(f"--model {folder}: not a model folder (no config.json); give a local causal-LM folder")
+    check_model_folder(folder)
     return folder
+
+
+_WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model")
+
+
+def check_model_folder(folder: Path) -> None:
+    """Raise :class:`ModelLoadError` naming what a causal-LM folder lacks: ``config.json`` (valid
+    JSON with a ``model_type``), weights, or tokenizer files."""
+    where = f"--model {folder}"
+    if not folder.is_dir():
+        raise ModelLoadError(f"{where}: no such folder; give a local causal-LM folder (config.json, weights, tokenizer)")
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ModelLoadError(f"{where}: not a model folder (no config.json); give a local causal-LM folder")
+    try:
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{where}: config.json is not valid JSON ({e}); restore it from the model's source") from None
+    if not isinstance(doc, dict) or "model_type" not in doc:
+        raise ModelLoadError(f"{where}: config.json has no 'model_type'; it is not a transformers model config")
+    if not any(any(folder.glob(pat)) for pat in _WEIGHTS):
+        raise ModelLoadError(
+            f"{where}: no weights (model.safetensors or pytorch_model.bin); save the model with save_pretrained"
+        )
+    if not any((folder / name).is_file() for name in _TOKENIZER):
+        raise ModelLoadError(
+            f"{where}: no tokenizer files (tokenizer.json / tokenizer_config.json); save the tokenizer into the "
+            "model folder with tokenizer.save_pretrained"
+        )
 
 
 def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
@@ -106,9 +136,20 @@ def load_pretrained(
 ) -> LoadedModel:
     """Load model + tokenizer of ``ref`` (:func:`resolve_model_ref`) onto ``device``."""
     folder = resolve_model_ref(ref)
-    tokenizer = load_tokenizer(folder)
-    model = load_model(folder, dtype=dtype).to(device)
+    try:
+        tokenizer = load_tokenizer(folder)
+    except Exception as e:  # any failure inside transformers/tokenizers: one line, not a traceback
+        raise ModelLoadError(f"--model {folder}: cannot load its tokenizer ({_first_line(e)})") from None
+    try:
+        model = load_model(folder, dtype=dtype).to(device)
+    except Exception as e:  # truncated or foreign weight files raise many types
+        raise ModelLoadError(f"--model {folder}: cannot load its weights ({_first_line(e)})") from None
     return LoadedModel(folder, model, tokenizer, tiny_info(folder))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 __all__ = [

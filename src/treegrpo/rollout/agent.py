@@ -55,6 +55,7 @@ class Budget:
     engine_requests: int = 0
     retrieval_errors: int = 0
     invalid_actions: int = 0
+    context_overflows: int = 0
 
     def count_step(self, gen: Generation, outcome: StepOutcome) -> None:
         """Count one engine request and what the env did with it: the one place a step's cost
@@ -152,6 +153,29 @@ class StepRunner:
             extra["data_source"] = task.data_source
         return Forest(task.id, trees, extra)
 
+    # -- the context budget ----------------------------------------------------------------------
+    def has_room(self, context: Sequence[int]) -> bool:
+        """Whether a step of up to ``max_step_tokens`` still fits after ``context``."""
+        return len(context) + self.cfg.max_step_tokens <= self.cfg.max_context_tokens
+
+    def end_without_room(self, tree: Tree, parent_id: int, task: Task, turn: int, budget: Budget) -> Node:
+        """End a trajectory whose context leaves no room for a step (a prompt longer than the
+        context budget) in a leaf with no tokens: finish reason ``length``, the env's reward for
+        an unanswered trajectory, counted in ``budget.context_overflows``. Nothing is generated."""
+        budget.context_overflows += 1
+        return tree.add(
+            Node(
+                id=tree.next_id(),
+                parent=parent_id,
+                text="",
+                tokens=[],
+                policy_mask=[],
+                logprobs=[],
+                reward=float(self.env.score(task, "")),
+                extra={"kind": "overflow", "turn": turn, "finish_reason": "length"},
+            )
+        )
+
     # -- the loop -------------------------------------------------------------------------------
     def run_turns(
         self,
@@ -171,6 +195,14 @@ class StepRunner:
         active = list(cursors)
         calls = 0
         while active:
+            fits = [c for c in active if self.has_room(c.context)]
+            if len(fits) < len(active):  # a prompt longer than the context budget: a leaf, no generation
+                for c in active:
+                    if not self.has_room(c.context):
+                        self.end_without_room(c.tree, c.parent_id, c.task, c.turn, budgets[c.forest_index])
+                        fits.extend(on_end(c) if on_end is not None else ())
+                active = fits
+                continue
             gens = self.engine.generate([c.context for c in active], params, generator)
             calls += 1
             texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=False) for g in gens]

@@ -236,9 +236,14 @@ def _grow(
     round_: int,
 ) -> int:
     """One engine call: a branch per request, each ending in a scored leaf. Returns 1 (calls)."""
+    contexts = [r.tree.context(r.parent_id) for r in requests]
+    for r, ctx in zip(requests, contexts, strict=True):  # a prompt longer than the context budget
+        if not runner.has_room(ctx):
+            runner.end_without_room(r.tree, r.parent_id, tasks[r.forest_index], 0, budgets[r.forest_index])
+    requests = [r for r, ctx in zip(requests, contexts, strict=True) if runner.has_room(ctx)]
+    contexts = [ctx for ctx in contexts if runner.has_room(ctx)]
     if not requests:
         return 0
-    contexts = [r.tree.context(r.parent_id) for r in requests]
     gens = runner.engine.generate(contexts, params, generator)
     texts = [
         _decode(runner.tokenizer, response_ids(r.tree, r.parent_id) + list(g.tokens))

@@ -146,11 +146,15 @@ def _parquet_tasks(p: Path) -> Iterable[Task]:
 
 
 def _jsonl_tasks(p: Path) -> Iterable[Task]:
-    with p.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
+    with p.open("rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            where = f"{p}: row {i}"
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{p}: row {i}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -27,7 +27,7 @@ __all__ = ["ConfigError", "TrainConfig", "load_config", "make_config", "parse_se
 
 
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True, allow_inf_nan=False)
 
     # -- what to train, on what ----------------------------------------------------------------
     model: str | None = Field(
@@ -163,6 +163,33 @@ class TrainConfig(BaseModel):
         # YAML 1.1 (and so ``--set packing=on`` and a config file's ``packing: off``) reads on/off as booleans
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
+    @field_validator("advantage")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        from treegrpo.algos.advantages import ADVANTAGE_ESTIMATORS
+
+        if v != "auto" and v not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown estimator {v!r}; choose auto or one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _usable_device(cls, v: str) -> str:
+        import torch
+
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"{v!r} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(
+                f"{v!r}: {build} (torch {torch.__version__}); use device=cpu or install a CUDA build of torch"
+            )
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"{v!r}: MPS is not available on this machine; use device=cpu")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.retriever_url and self.corpus:
@@ -218,21 +245,37 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_one_line_yaml(e)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of field: value")
         base = {k.replace("-", "_"): v for k, v in loaded.items()}
     return make_config(base, overrides)
 
 
+def _one_line_yaml(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or err}{where}".replace("\n", " ")
+
+
 def parse_set(pairs: list[str]) -> dict[str, Any]:
-    """``--set key=value`` pairs; values are read as YAML scalars (``3``, ``true``, ``1e-4``)."""
+    """``--set key=value`` pairs. A value is read as a YAML scalar (``3``, ``true``, ``1e-4``,
+    ``null``, ``[a, b]``); a mapping or text YAML rejects (``Q: {question}``, ``a: b``) is taken
+    as the literal string, so a prompt template needs no quoting."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"--set {pair!r}: expected key=value")
         k, v = pair.split("=", 1)
-        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        try:
+            value = yaml.safe_load(v)
+        except yaml.YAMLError:
+            value = v
+        if isinstance(value, dict):
+            value = v
+        out[k.strip().replace("-", "_")] = value
     return out

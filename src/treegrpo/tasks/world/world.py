@@ -32,6 +32,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from treegrpo.envs.base import Task
+from treegrpo.errors import ConfigError
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 
@@ -197,7 +198,7 @@ def get_preset(name: str) -> WorldConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown world preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise ConfigError(f"unknown world preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
 @dataclass(frozen=True)
