@@ -89,11 +89,11 @@ def test_measure_plan_on_the_fixture_model(tiny_model_dir) -> None:
     import torch
 
     from treegrpo.benchmarks.budget import AgentParts
+    from treegrpo.benchmarks.plan import measure_plan
     from treegrpo.envs.search import SearchEnv
     from treegrpo.envs.world import PRESETS, build_world
     from treegrpo.models.tiny import load_model, load_tokenizer
     from treegrpo.rollout.agent import AgentConfig
-    from treegrpo.rollout.planner import measure_plan
 
     world = build_world(PRESETS["tiny"])
     env = SearchEnv(world.retriever, topk=2, prompt_template="minimal")
