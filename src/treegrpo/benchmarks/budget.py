@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from treegrpo.benchmarks.budget_report import Call, document, plot, print_table, summarize
+from treegrpo.benchmarks.provenance import provenance
 from treegrpo.envs.base import AgentEnv, Task
 from treegrpo.rollout.agent import AgentConfig, Budget, Cursor, RolloutResult, StepRunner
 from treegrpo.rollout.engine import Generation, SamplingParams, release_engine_cache
@@ -441,6 +442,7 @@ def run_bench(
     with torch_threads(threads):
         t0 = time.perf_counter()
         agent = load_agent(model_dir)
+        prov = provenance(model_dir=agent.model_dir)
         tasks = random.Random(seed).sample(agent.tasks, min(prompts, len(agent.tasks)))
         specs = list(specs) if specs is not None else default_specs()
         critical = [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
@@ -464,6 +466,7 @@ def run_bench(
         }
         doc = document([summarize(m) for m in measurements], specs, meta)
         doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+        doc["provenance"] = prov
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1))
         plot(doc["rows"], out.with_suffix(".png"))

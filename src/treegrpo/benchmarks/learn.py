@@ -332,6 +332,7 @@ def run_bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from treegrpo.benchmarks.learn_report import plot, print_table, summarize, targets
+    from treegrpo.benchmarks.provenance import provenance
     from treegrpo.envs.world import get_preset
     from treegrpo.io import atomic_write_text
     from treegrpo.models.bootstrap import ensure_bootstrapped
@@ -372,6 +373,7 @@ def run_bench(
             for w, p in models.items()
         },
     }
+    prov = provenance(model_dir={str(w): p for w, p in models.items()})
     rows: list[dict[str, Any]] = []
     prior_wall = 0.0  # time already spent on the rows kept by --resume
     if resume and Path(out).is_file():
@@ -380,6 +382,8 @@ def run_bench(
             wanted = {s.key for s in specs}
             rows = [r for r in old.get("rows", []) if spec_of(r).key in wanted]
             prior_wall = float(old.get("wall_s", 0.0))
+            if rows and "provenance" in old:  # the kept rows were made by that session
+                prov["resumed_from"] = old["provenance"]
             console.print(f"resuming: {len(rows)} runs already in {out}")
         else:
             console.print(f"[yellow]not resuming[/]: {out} was made with another regime or starting policy")
@@ -414,6 +418,7 @@ def run_bench(
             "wall_s": round(prior_wall + time.perf_counter() - t0, 1),  # all sessions of a resumed run
             "jobs": jobs,
             "cpu_count": os.cpu_count(),
+            "provenance": prov,
         }
 
     out = Path(out)
