@@ -34,10 +34,21 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """Library modules ``name`` imports (a ``from pkg import sub`` counts as importing ``pkg.sub``)."""
+    """Library modules ``name`` imports at run time (a ``from pkg import sub`` counts as importing
+    ``pkg.sub``; imports under ``if TYPE_CHECKING:`` are for type checkers only and do not count)."""
     out: set[str] = set()
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

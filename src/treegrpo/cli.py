@@ -367,7 +367,7 @@ def plan_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from treegrpo.rollout.planner import make_plan, measure_plan, recorded_chain_tokens
+    from treegrpo.rollout.planner import make_plan, recorded_chain_tokens
 
     console = Console()
     if unit not in ("trajectories", "tokens"):
@@ -389,6 +389,8 @@ def plan_cmd(
         raise typer.Exit(2) from None
     result = {"plan": plan.to_dict()}
     if measure:
+        from treegrpo.benchmarks.plan import measure_plan
+
         result["measured"] = measure_plan(plan, model_dir, prompts=prompts, seed=seed)
     if as_json:
         typer.echo(json.dumps(result, indent=1))

@@ -15,13 +15,15 @@ from treegrpo.benchmarks.budget import (
     AgentParts,
     ExpansionContext,
     chain_spec,
+    measure_all,
+    tree_spec,
+)
+from treegrpo.benchmarks.budget_report import (
     compute_targets,
     expected_fractions,
     forest_counts,
-    measure_all,
     plot,
     summarize,
-    tree_spec,
     uncached_tokens,
 )
 from treegrpo.envs.search import SearchEnv

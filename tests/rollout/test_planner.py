@@ -89,10 +89,10 @@ def test_measure_plan_on_the_fixture_model(tiny_model_dir) -> None:
     import torch
 
     from treegrpo.benchmarks.budget import AgentParts
+    from treegrpo.benchmarks.plan import measure_plan
     from treegrpo.envs.search import SearchEnv
     from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.agent import AgentConfig
-    from treegrpo.rollout.planner import measure_plan
     from treegrpo.tasks.world.world import PRESETS, build_world
 
     world = build_world(PRESETS["tiny"])

@@ -20,53 +20,37 @@ repeats).
 which goes first), configurations interleaved by budget (chain b, tree random, tree nonroot, …);
 then the timing-critical block (chain 4, tree (2,2,1) random / nonroot, both reuse settings) is
 run ``repeats`` more times in rotated order (their run in the sweep is their warm-up: it sits
-between other configurations, and first runs were measured up to 40 % slower than repeats). The wall-time target is the median over these repeats of the *paired* ratio
-(tree and chain timed in the same repeat, close in time). Process CPU seconds
-are recorded too (``cpu_s``; less sensitive to other processes on a shared machine). torch runs
-with one intra-op thread by default (``threads``). Counts do not depend on timing: the same seed
+between other configurations, and first runs were measured up to 40 % slower than repeats). The
+wall-time target is the median over these repeats of the *paired* ratio (tree and chain timed in
+the same repeat, close in time). Process CPU seconds are recorded too (``cpu_s``; less sensitive
+to other processes on a shared machine). torch runs with one intra-op thread by default
+(``threads``). Counts do not depend on timing: the same seed
 gives the same forests on every repeat (checked).
 
-**Instrumentation** (``phases`` in the JSON, one entry per row):
-
-- the runner tags expansion cursors and the engine records every request, so the cost of the
-  initial chains (``init``) and of the expansions (``expand``) is kept apart, even when a sampler
-  serves both in the same engine call;
-- ``uncached_tokens``: from the records alone, the context tokens of every request that no earlier
-  request of the rollout had computed (a fully computed context still runs its last token: 1) —
-  with prefix reuse the engine's reported prefill must equal it exactly;
-- picks: where expansions started (``root_fraction``, ``mean_pick_depth``); generated tokens and
-  tool calls per initial chain and per expansion; ``f_measured`` (the planner's expansion cost
-  fraction) against ``f_expected`` — what the pick rule implies given the initial chains alone
-  (:func:`expected_fractions`), so a sampler that wasted work would show ``f_measured > f_expected``;
-- ``model_work``: forwards and positions the model ran (a forward pre-hook), the real positions
-  (prefill tokens + sampled tokens fed back) and the padding fraction;
-- ``checks``: every count agrees with the forests (trajectories, generated tokens, tool calls,
-  requests, context tokens, per-phase), prefill = uncached tokens (reuse on) or = context tokens
-  (reuse off).
-
-**Targets** (``targets``; tree (2,2,1) vs chain 4; counts with reuse on, the forests being the
-same with reuse off): trajectories per 1k generated tokens ≥ 1.25× (random) / ≥ 1.4× (nonroot);
-tool calls per trajectory ≤ 0.8× / ≤ 0.7×; ``wall/traj(tree) ≤ 1.1 · wall/traj(chain) ·
-gen/traj(tree) / gen/traj(chain)`` (i.e. wall per generated token ≤ 1.1× the chain's), with reuse
-on and off; expansion prefill with reuse on = the uncached tokens exactly (the reuse-off count
-reported beside it).
+**Instrumentation**: the runner tags expansion cursors (:class:`PhaseRunner`) and the engine records
+every request (:class:`RecordingEngine`), so the cost of the initial chains (``init``) and of the
+expansions (``expand``) is kept apart even when one engine call serves both; a forward pre-hook
+counts the model's work. The analysis (``phases``, ``checks``, ``targets``), the table and the plot
+are :mod:`treegrpo.benchmarks.budget_report`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import itertools
 import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from treegrpo.benchmarks.budget_report import Call, document, plot, print_table, summarize
+from treegrpo.benchmarks.provenance import provenance
 from treegrpo.envs.base import AgentEnv, Task
 from treegrpo.rollout.agent import AgentConfig, Budget, Cursor, RolloutResult, StepRunner
 from treegrpo.rollout.engine import Generation, SamplingParams, release_engine_cache
@@ -92,7 +76,6 @@ ROW_KEYS: tuple[str, ...] = (
 )
 DEFAULT_BUDGETS: tuple[int, ...] = tuple(sorted(PAPER_PAIRS))  # 2, 4, 8, 16
 DEFAULT_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
-FORMAT = "treegrpo.bench.budget/v1"
 
 
 # -- what is run ------------------------------------------------------------------------------------
@@ -192,9 +175,6 @@ class ExpansionContext(list):
 
     def __add__(self, other: list) -> ExpansionContext:  # type: ignore[override]
         return ExpansionContext(list.__add__(self, other))
-
-
-Call = tuple[list[Sequence[int]], list[Generation], list[str]]
 
 
 class RecordingEngine:
@@ -348,355 +328,10 @@ def run_once(
     return Measurement(spec, reuse, len(tasks), result, engine.calls, [result.wall_s], [cpu], work)
 
 
-# -- analysis -------------------------------------------------------------------------------------
-
-
-def uncached_tokens(calls: Sequence[Call]) -> dict[str, int]:
-    """Per phase, the context tokens of every request that no earlier request of the rollout (or an
-    earlier request of the same call) had computed — what an ideal prefix cache must prefill. A
-    request whose context was entirely computed still runs its last token (its logits): 1.
-
-    A request computes its context; after its call, the tokens it fed back during decoding
-    (``step[:-1]``: the last sampled token is never run) are computed too.
-    """
-    trie: dict[int, dict] = {}
-    out: dict[str, int] = {}
-    for contexts, gens, phases in calls:
-        for ctx, phase in zip(contexts, phases, strict=True):
-            node, new = trie, 0
-            for tok in ctx:
-                nxt = node.get(tok)
-                if nxt is None:
-                    nxt = node[tok] = {}
-                    new += 1
-                node = nxt
-            out[phase] = out.get(phase, 0) + max(new, 1)
-        for ctx, g in zip(contexts, gens, strict=True):
-            node = trie
-            for tok in itertools.chain(ctx, g.tokens[:-1]):
-                node = node.setdefault(tok, {})
-    return out
-
-
-def phase_costs(calls: Sequence[Call]) -> dict[str, dict[str, int]]:
-    """Per phase (``init`` / ``expand``): generated and prefill tokens, requests, engine calls that
-    served the phase (a call may serve both), context tokens, and uncached tokens
-    (:func:`uncached_tokens`)."""
-    out: dict[str, dict[str, int]] = {}
-    for contexts, gens, phases in calls:
-        for phase in set(phases):
-            out.setdefault(phase, dict.fromkeys(("generated_tokens", "prefill_tokens", "requests", "engine_calls", "context_tokens"), 0))
-            out[phase]["engine_calls"] += 1
-        for ctx, g, phase in zip(contexts, gens, phases, strict=True):
-            p = out[phase]
-            p["generated_tokens"] += len(g.tokens)
-            p["prefill_tokens"] += g.prefill_tokens
-            p["requests"] += 1
-            p["context_tokens"] += len(ctx)
-    for phase, n in uncached_tokens(calls).items():
-        out[phase]["uncached_tokens"] = n
-    return out
-
-
-def _initial_chain(tree: Any) -> set[int]:
-    """Node ids of a tree's initial chain: from the root, always the oldest child (a tree's
-    expansions start only after its initial chain ended, so its nodes are the oldest)."""
-    kids = tree.children
-    ids, at = set(), tree.root.id
-    while kids[at]:
-        at = min(kids[at])
-        ids.add(at)
-    return ids
-
-
-def forest_counts(forests: Sequence[Forest]) -> dict[str, Any]:
-    """Counts read off the forests alone: trajectories (leaves), generated tokens (policy tokens),
-    tool calls (search steps that ran), steps (one engine request each), the context tokens of every
-    step's request (what prefill computes without any reuse), and per phase (``init``: the nodes
-    of each tree's initial chain, ``expand``: the rest) generated tokens, tool calls and steps."""
-    traj = gen = tools = steps = ctx_tokens = 0
-    phases = {ph: {"generated_tokens": 0, "tool_calls": 0, "steps": 0} for ph in ("init", "expand")}
-    for f in forests:
-        for tree in f.trees:
-            traj += len(tree.leaves())
-            init = _initial_chain(tree)
-            for nd in tree.nodes:
-                if nd.parent is None:
-                    continue
-                g, t = sum(nd.policy_mask), int(nd.extra.get("kind") == "search" and not nd.extra.get("refused"))
-                steps += 1
-                gen += g
-                tools += t
-                ctx_tokens += sum(len(p.tokens) for p in tree.path(nd.parent))
-                ph = phases["init" if nd.id in init else "expand"]
-                ph["generated_tokens"] += g
-                ph["tool_calls"] += t
-                ph["steps"] += 1
-    return {
-        "trajectories": traj,
-        "generated_tokens": gen,
-        "tool_calls": tools,
-        "steps": steps,
-        "context_tokens": ctx_tokens,
-        "phases": phases,
-    }
-
-
-def pick_stats(forests: Sequence[Forest]) -> dict[str, Any]:
-    """Where expansions started: a node with ``c`` children was picked ``c - 1`` times (its first
-    child is the trajectory that made it; every pick adds one child)."""
-    root = deeper = 0
-    depths: list[int] = []
-    for f in forests:
-        for tree in f.trees:
-            kids = tree.children
-            for nd in tree.nodes:
-                extra = len(kids[nd.id]) - 1
-                if extra <= 0:
-                    continue
-                d = tree.depth(nd.id)
-                depths += [d] * extra
-                if nd.parent is None:
-                    root += extra
-                else:
-                    deeper += extra
-    picks = root + deeper
-    return {
-        "picks": picks,
-        "root_picks": root,
-        "nonroot_picks": deeper,
-        "root_fraction": root / picks if picks else None,
-        "mean_pick_depth": sum(depths) / len(depths) if depths else None,
-    }
-
-
-def expected_fractions(forests: Sequence[Forest], expand_mode: str | None) -> dict[str, float | None]:
-    """What one expansion should cost relative to a whole chain, from the initial chains and the
-    pick rule alone (first round): a pick at a non-root node ``j`` of a chain continues from ``j``'s
-    context, so it re-generates on average what the policy generates after ``j`` — estimated by
-    what the chain did generate after ``j``; a root pick is a whole new chain — the mean initial
-    chain. ``random`` picks uniformly among the root and the chain's non-leaf nodes; ``nonroot``
-    among the non-leaf nodes (the root when there are none).
-
-    Returns ``f_expected`` (generated tokens) and ``tool_fraction_expected`` (tool calls), to hold
-    against the measured ``f_measured`` / ``tool_fraction_measured``; ``None`` for other pick rules.
-    """
-    if expand_mode not in ("random", "nonroot"):
-        return {"f_expected": None, "tool_fraction_expected": None}
-    chains: list[tuple[list[int], list[int]]] = []
-    for f in forests:
-        for tree in f.trees:
-            nodes = [tree.node(i) for i in sorted(_initial_chain(tree))]  # ids grow along a chain
-            chains.append(
-                (
-                    [sum(nd.policy_mask) for nd in nodes],
-                    [int(nd.extra.get("kind") == "search" and not nd.extra.get("refused")) for nd in nodes],
-                )
-            )
-    if not chains:
-        return {"f_expected": None, "tool_fraction_expected": None}
-    mean_t = sum(sum(t) for t, _ in chains) / len(chains)
-    mean_c = sum(sum(c) for _, c in chains) / len(chains)
-    exp_t = exp_c = 0.0
-    for toks, tools in chains:
-        # candidate 0 = the root (a new chain); candidate j >= 1 = the chain's j-th node (non-leaf)
-        cand_t = [mean_t] + [sum(toks[j:]) for j in range(1, len(toks))]
-        cand_c = [mean_c] + [sum(tools[j:]) for j in range(1, len(tools))]
-        if expand_mode == "nonroot" and len(cand_t) > 1:
-            cand_t, cand_c = cand_t[1:], cand_c[1:]
-        exp_t += sum(cand_t) / len(cand_t)
-        exp_c += sum(cand_c) / len(cand_c)
-    n = len(chains)
-    return {
-        "f_expected": exp_t / n / mean_t if mean_t else None,
-        "tool_fraction_expected": exp_c / n / mean_c if mean_c else None,
-    }
-
-
-def summarize(meas: Measurement) -> dict[str, Any]:
-    """The row (exactly :data:`ROW_KEYS`) and the details of one measurement. Computed once from
-    the forests and records (kept in ``meas.summary``); later calls refresh the wall times only."""
-    if meas.summary is not None:
-        meas.summary["row"]["wall_s"] = round(meas.wall_s, 4)
-        meas.summary["detail"]["walls"] = [round(w, 4) for w in meas.walls]
-        meas.summary["detail"]["cpu_s"] = [round(c, 4) for c in meas.cpus]
-        meas.summary["detail"]["checks"]["repeats_reproduce_counts"] = not meas.repeat_mismatches
-        return meas.summary
-    s = meas.spec
-    tot = meas.total
-    row = {
-        "mode": s.mode,
-        "budget": s.budget,
-        "M": s.m,
-        "N": s.n,
-        "L": s.l,
-        "expand_mode": s.expand_mode,
-        "prefix_reuse": meas.reuse,
-        "prompts": meas.prompts,
-        "trajectories": sum(f.n_trajectories() for f in meas.forests),
-        "generated_tokens": tot.generated_tokens,
-        "prefill_tokens": tot.prefill_tokens,
-        "tool_calls": tot.tool_calls,
-        "wall_s": round(meas.wall_s, 4),
-    }
-    phases: dict[str, dict[str, Any]] = phase_costs(meas.calls)
-    fc = forest_counts(meas.forests)
-    for name, p in phases.items():
-        p["tool_calls"] = fc["phases"][name]["tool_calls"]
-    detail: dict[str, Any] = {"config": s.label, "prefix_reuse": meas.reuse, "engine_calls": meas.result.engine_calls, "phases": phases}
-    if s.mode == "tree":
-        k, init, exp = meas.prompts, phases.get("init", {}), phases.get("expand", {})
-        chains, expansions = k * s.m, k * s.m * s.n * s.l
-        per_chain = init.get("generated_tokens", 0) / max(1, chains)
-        per_exp = exp.get("generated_tokens", 0) / max(1, expansions)
-        detail.update(
-            pick_stats(meas.forests),
-            gen_tokens_per_chain=per_chain,
-            gen_tokens_per_expansion=per_exp,
-            f_measured=per_exp / per_chain if per_chain else None,
-            tool_calls_per_chain=init.get("tool_calls", 0) / max(1, chains),
-            tool_calls_per_expansion=exp.get("tool_calls", 0) / max(1, expansions),
-        )
-        if s.l == 1:
-            detail.update(expected_fractions(meas.forests, s.expand_mode))
-            fe, te = detail["f_expected"], detail["tool_fraction_expected"]
-            tc = detail["tool_calls_per_chain"]
-            detail["tool_fraction_measured"] = detail["tool_calls_per_expansion"] / tc if tc else None
-            # vs chains like these initial ones: (1 + N) trajectories for (1 + N·f) chains of tokens
-            detail["traj_per_token_gain_expected"] = (1 + s.n) / (1 + s.n * fe) if fe is not None else None
-            detail["tool_calls_per_traj_ratio_expected"] = (1 + s.n * te) / (1 + s.n) if te is not None else None
-    checks = {
-        "trajectories": row["trajectories"] == fc["trajectories"] == meas.prompts * s.trajectories_per_prompt(),
-        "generated_tokens": row["generated_tokens"] == fc["generated_tokens"],
-        "tool_calls": row["tool_calls"] == fc["tool_calls"],
-        "requests": tot.engine_requests == fc["steps"],
-        "context_tokens": sum(p["context_tokens"] for p in phases.values()) == fc["context_tokens"],
-        "phases": all(
-            p["requests"] == fc["phases"][n]["steps"] and p["generated_tokens"] == fc["phases"][n]["generated_tokens"]
-            for n, p in phases.items()
-        ),
-    }
-    if meas.reuse:
-        checks["prefill_equals_uncached"] = row["prefill_tokens"] == sum(p["uncached_tokens"] for p in phases.values())
-    else:
-        checks["prefill_equals_context"] = row["prefill_tokens"] == fc["context_tokens"]
-    checks["repeats_reproduce_counts"] = not meas.repeat_mismatches
-    detail["checks"] = checks
-    detail["walls"] = [round(w, 4) for w in meas.walls]
-    detail["cpu_s"] = [round(c, 4) for c in meas.cpus]
-    if meas.model_work:
-        # positions the model really had to run: prefill tokens + every sampled token fed back
-        # (all but the last of each step); the rest of what it ran is padding.
-        real = tot.prefill_tokens + tot.generated_tokens - tot.engine_requests
-        w = meas.model_work
-        detail["model_work"] = {
-            **w,
-            "real_positions": real,
-            "padding_fraction": round(1 - real / w["positions"], 4) if w["positions"] else None,
-        }
-    return {"row": row, "detail": detail}
-
-
 def counts_key(meas: Measurement) -> tuple[int, ...]:
     """The counts a repeat must reproduce exactly (same seed, same forests)."""
     t = meas.total
     return (t.generated_tokens, t.prefill_tokens, t.tool_calls, t.engine_requests)
-
-
-# -- targets --------------------------------------------------------------------------------------
-
-
-def _find(rows: Sequence[dict[str, Any]], reuse: bool, **match: Any) -> dict[str, Any] | None:
-    for r in rows:
-        if r["prefix_reuse"] == reuse and all(r[k] == v for k, v in match.items()):
-            return r
-    return None
-
-
-def _walls(details: Sequence[dict[str, Any]], config: str, reuse: bool, key: str = "walls") -> list[float]:
-    for d in details:
-        if d["config"] == config and d["prefix_reuse"] == reuse:
-            return list(d.get(key, []))
-    return []
-
-
-def _per(r: dict[str, Any], num: str, den: str, scale: float = 1.0) -> float:
-    return scale * r[num] / r[den] if r[den] else float("nan")
-
-
-def compute_targets(
-    rows: Sequence[dict[str, Any]], details: Sequence[dict[str, Any]], budget: int = 4, shape: tuple[int, int, int] = (2, 2, 1)
-) -> dict[str, dict[str, Any]]:
-    """The issue's targets, measured: tree ``shape`` vs chain ``budget`` (see the module doc)."""
-    m, n, l = shape
-    out: dict[str, dict[str, Any]] = {}
-
-    def put(name: str, measured: float | None, op: str, threshold: float, **extra: Any) -> None:
-        ok = None if measured is None or measured != measured else (
-            measured >= threshold if op == ">=" else measured <= threshold if op == "<=" else measured == threshold
-        )
-        out[name] = {"measured": measured, "op": op, "threshold": threshold, "pass": ok, **extra}
-
-    thresholds = {"random": (1.25, 0.8), "nonroot": (1.4, 0.7)}
-    for mode, (t_eff, t_tools) in thresholds.items():
-        for reuse in (True, False):
-            chain = _find(rows, reuse, mode="chain", budget=budget)
-            tree = _find(rows, reuse, mode="tree", M=m, N=n, L=l, expand_mode=mode)
-            if chain is None or tree is None:
-                continue
-            tag = f"tree{m}{n}{l}_{mode}_vs_chain{budget}"
-            if reuse:  # counts: the default setting (reuse off gives the same forests up to float noise)
-                eff_c = _per(chain, "trajectories", "generated_tokens", 1000.0)
-                eff_t = _per(tree, "trajectories", "generated_tokens", 1000.0)
-                put(f"{tag}.traj_per_1k_gen_tokens_ratio", eff_t / eff_c, ">=", t_eff,
-                    tree=eff_t, chain=eff_c)
-                tc = _per(chain, "tool_calls", "trajectories")
-                tt = _per(tree, "tool_calls", "trajectories")
-                put(f"{tag}.tool_calls_per_traj_ratio", tt / tc if tc else None, "<=", t_tools, tree=tt, chain=tc)
-            # wall/traj(tree) <= 1.1 * wall/traj(chain) * gen/traj(tree) / gen/traj(chain), i.e.
-            # (wall/gen-token of the tree) / (wall/gen-token of the chain) <= 1.1: the median over the
-            # repeats of that ratio, each repeat's two wall times taken close in time.
-            walls_t = _walls(details, f"tree ({m},{n},{l}) {mode}", reuse)
-            walls_c = _walls(details, f"chain {budget}", reuse)
-            k = min(len(walls_t), len(walls_c))
-            per_tok_t, per_tok_c = 1 / tree["generated_tokens"], 1 / chain["generated_tokens"]
-            paired = [walls_t[i] * per_tok_t / (walls_c[i] * per_tok_c) for i in range(k)]
-            cpu_t = _walls(details, f"tree ({m},{n},{l}) {mode}", reuse, "cpu_s")
-            cpu_c = _walls(details, f"chain {budget}", reuse, "cpu_s")
-            cpu_paired = [cpu_t[i] * per_tok_t / (cpu_c[i] * per_tok_c) for i in range(min(len(cpu_t), len(cpu_c)))]
-            wt, wc = _per(tree, "wall_s", "trajectories"), _per(chain, "wall_s", "trajectories")
-            gt, gc_ = _per(tree, "generated_tokens", "trajectories"), _per(chain, "generated_tokens", "trajectories")
-            put(
-                f"{tag}.wall_per_traj_vs_bound{'_reuse' if reuse else '_no_reuse'}",
-                statistics.median(paired) if paired else None,
-                "<=",
-                1.1,
-                paired_ratios=[round(x, 3) for x in paired],
-                cpu_ratio=statistics.median(cpu_paired) if cpu_paired else None,
-                cpu_paired_ratios=[round(x, 3) for x in cpu_paired],
-                ratio_of_medians=wt / (wc * gt / gc_),
-                tree_wall_per_traj=wt,
-                chain_wall_per_traj=wc,
-                bound_wall_per_traj=1.1 * wc * gt / gc_,
-                note="measured: median over repeats of (wall/gen-token tree)/(wall/gen-token chain), which is "
-                "wall/traj(tree) / (wall/traj(chain) * gen/traj(tree) / gen/traj(chain)); cpu_ratio: the same "
-                "with process CPU seconds (less sensitive to other processes on the machine)",
-            )
-    for d in details:
-        if not d["prefix_reuse"] or "expand" not in d["phases"]:
-            continue
-        if d["config"] not in {f"tree ({m},{n},{l}) random", f"tree ({m},{n},{l}) nonroot"}:
-            continue
-        off = next((e for e in details if e["config"] == d["config"] and not e["prefix_reuse"]), None)
-        exp = d["phases"]["expand"]
-        put(
-            f"{d['config'].replace(' ', '_')}.expansion_prefill_equals_uncached",
-            exp["prefill_tokens"], "==", exp["uncached_tokens"],
-            reuse_on=exp["prefill_tokens"], uncached=exp["uncached_tokens"],
-            reuse_off=off["phases"]["expand"]["prefill_tokens"] if off else None,
-            expansions=exp.get("requests"),
-        )  # fmt: skip
-    return out
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -767,75 +402,16 @@ def measure_all(
     return [by_key[(s, r)] for s in specs for r in reuse_modes]
 
 
-def _table(rows: Sequence[dict[str, Any]], targets: dict[str, dict[str, Any]], console: Any) -> None:
-    from rich.table import Table
-
-    t = Table(title="rollout budget: chain vs Tree-GRPO (sums over all prompts)")
-    for c in ("config", "reuse", "traj", "gen tok", "prefill", "tools", "wall s", "traj/1k gen", "tools/traj", "s/traj"):
-        t.add_column(c, justify="left" if c == "config" else "right")
-    for r in rows:
-        label = f"chain {r['budget']}" if r["mode"] == "chain" else f"tree ({r['M']},{r['N']},{r['L']}) {r['expand_mode']}"
-        t.add_row(
-            label,
-            "on" if r["prefix_reuse"] else "off",
-            str(r["trajectories"]),
-            str(r["generated_tokens"]),
-            str(r["prefill_tokens"]),
-            str(r["tool_calls"]),
-            f"{r['wall_s']:.2f}",
-            f"{1000 * r['trajectories'] / max(1, r['generated_tokens']):.2f}",
-            f"{r['tool_calls'] / max(1, r['trajectories']):.2f}",
-            f"{r['wall_s'] / max(1, r['trajectories']):.4f}",
-        )
-    console.print(t)
-    tt = Table(title="targets")
-    for c in ("target", "measured", "need", "pass"):
-        tt.add_column(c, justify="left" if c == "target" else "right")
-    for name, v in targets.items():
-        meas = v["measured"]
-        shown = f"{meas:.3f}" if isinstance(meas, float) else str(meas)
-        need = f"{v['op']} {v['threshold']:.3g}" if isinstance(v["threshold"], float) else f"{v['op']} {v['threshold']}"
-        ok = v["pass"]
-        tt.add_row(name, shown, need, "[green]pass[/green]" if ok else "[red]FAIL[/red]" if ok is False else "n/a")
-    console.print(tt)
-
-
-def plot(rows: Sequence[dict[str, Any]], png: Path) -> None:
-    """Three panels by chain budget: trajectories per 1k generated tokens, tool calls per
-    trajectory, wall seconds per trajectory (reuse on solid, off dashed); chain vs tree modes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    series: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        name = "chain" if r["mode"] == "chain" else f"tree {r['expand_mode']}"
-        series.setdefault(name, []).append(r)
-    panels = [
-        (lambda r: 1000 * r["trajectories"] / max(1, r["generated_tokens"]), "trajectories per 1k generated tokens", False),
-        (lambda r: r["tool_calls"] / max(1, r["trajectories"]), "tool calls per trajectory", False),
-        (lambda r: r["wall_s"] / max(1, r["trajectories"]), "wall seconds per trajectory", True),
-    ]
-    for ax, (fn, title, both) in zip(axes, panels, strict=True):
-        for (name, rs), color in zip(sorted(series.items()), ("C0", "C1", "C2", "C3"), strict=False):
-            for reuse in (True, False) if both else (True,):
-                pts = sorted((r["budget"], fn(r)) for r in rs if r["prefix_reuse"] == reuse)
-                if not pts:
-                    continue
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", color=color, linestyle="-" if reuse else "--",
-                        label=name + ("" if not both else (" reuse" if reuse else " no reuse")))  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(DEFAULT_BUDGETS), [str(b) for b in DEFAULT_BUDGETS])
-        ax.set_xlabel("chain budget (tree at the paper's matched shape)")
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    fig.suptitle("Rollout budget: chain vs Tree-GRPO (same prompts, model, seed)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` meanwhile, restored after (``None`` / 0: left)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_bench(
@@ -856,25 +432,6 @@ def run_bench(
     setting alone). One is the default: on a shared 2-core machine two OpenMP threads make the tiny
     model's small matmuls orders of magnitude slower whenever another process holds a core.
     """
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _run_bench(out, prompts, seed, repeats, model_dir, specs, console, log)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _run_bench(
-    out: Path,
-    prompts: int,
-    seed: int,
-    repeats: int,
-    model_dir: Path | None,
-    specs: Sequence[RunSpec] | None,
-    console: Any,
-    log: Callable[[str], object] | None,
-) -> dict[str, Any]:
     from rich.console import Console
 
     if console is None:
@@ -882,36 +439,18 @@ def _run_bench(
         if not console.is_terminal:  # a pipe or file: don't squeeze the tables into 80 columns
             console = Console(width=150)
     log = log or (lambda m: console.print(m, highlight=False))
-    t0 = time.perf_counter()
-    agent = load_agent(model_dir)
-    tasks = random.Random(seed).sample(agent.tasks, min(prompts, len(agent.tasks)))
-    specs = list(specs) if specs is not None else default_specs()
-    critical = [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
-    # warm-up (untimed): first forwards allocate, import lazily, fill allocator pools
-    for reuse in (True, False):
-        run_once(agent, tasks[:4], chain_spec(2), reuse, seed)
-    measurements = measure_all(agent, tasks, specs, seed, repeats, critical, keep=False, log=log)
-    summaries = [summarize(m) for m in measurements]
-    rows = [s["row"] for s in summaries]
-    details = [s["detail"] for s in summaries]
-    targets = compute_targets(rows, details)
-    # counts with reuse on vs off: the same forests up to float rounding of the logits
-    same = {}
-    for s in specs:
-        on, off = (_find(rows, r, mode=s.mode, budget=s.budget, M=s.m, N=s.n, L=s.l, expand_mode=s.expand_mode) for r in (True, False))
-        if on and off:
-            same[s.label] = all(on[k] == off[k] for k in ("trajectories", "generated_tokens", "tool_calls"))
-    doc = {
-        "format": FORMAT,
-        "benchmark": "budget",
-        "rows": rows,
-        "targets": targets,
-        "phases": details,
-        "checks": {
-            "all_forest_counts_consistent": all(all(d["checks"].values()) for d in details),
-            "reuse_on_off_same_forests": same,
-        },
-        "meta": {
+    with torch_threads(threads):
+        t0 = time.perf_counter()
+        agent = load_agent(model_dir)
+        prov = provenance(model_dir=agent.model_dir)
+        tasks = random.Random(seed).sample(agent.tasks, min(prompts, len(agent.tasks)))
+        specs = list(specs) if specs is not None else default_specs()
+        critical = [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
+        # warm-up (untimed): first forwards allocate, import lazily, fill allocator pools
+        for reuse in (True, False):
+            run_once(agent, tasks[:4], chain_spec(2), reuse, seed)
+        measurements = measure_all(agent, tasks, specs, seed, repeats, critical, keep=False, log=log)
+        meta = {
             "model": str(agent.model_dir),
             "prompts": len(tasks),
             "task_ids": [t.id for t in tasks],
@@ -924,15 +463,16 @@ def _run_bench(
             "wall_s": "sampler RolloutResult.wall_s (engine + env + bookkeeping); median over repeats for critical configs",
             "row_M_N_L_for_chain": "M = chains per prompt, N = L = 0",
             "bench_wall_s": None,
-        },
-    }
-    doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(rows, out.with_suffix(".png"))
-    _table(rows, targets, console)
-    log(f"wrote {out} and {out.with_suffix('.png')} in {doc['meta']['bench_wall_s']:.0f}s")
-    return doc
+        }
+        doc = document([summarize(m) for m in measurements], specs, meta)
+        doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+        doc["provenance"] = prov
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        plot(doc["rows"], out.with_suffix(".png"))
+        print_table(doc["rows"], doc["targets"], console)
+        log(f"wrote {out} and {out.with_suffix('.png')} in {doc['meta']['bench_wall_s']:.0f}s")
+        return doc
 
 
 __all__ = [
@@ -944,18 +484,12 @@ __all__ = [
     "RecordingEngine",
     "RunSpec",
     "chain_spec",
-    "compute_targets",
+    "counts_key",
     "default_specs",
-    "expected_fractions",
-    "forest_counts",
     "load_agent",
     "measure_all",
-    "phase_costs",
-    "pick_stats",
-    "plot",
     "run_bench",
     "run_once",
-    "summarize",
+    "torch_threads",
     "tree_spec",
-    "uncached_tokens",
 ]

@@ -384,6 +384,7 @@ def run_bench(
     log: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
+    from treegrpo.benchmarks.provenance import provenance
     from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
     from treegrpo.tasks.arith.bootstrap import ensure_arith_bootstrapped
@@ -395,6 +396,7 @@ def run_bench(
         log("bench eptree: the arithmetic starting policy (bootstrapped and cached on first use)")
         model_dir = ensure_arith_bootstrapped(progress=False)
     info = tiny_info(model_dir)
+    prov = provenance(model_dir=model_dir)
     log(f"bench eptree: sampling, {prompts} prompts × seeds {list(seeds)}, EPTree {shape}")
     rows = sampling_rows(model_dir, prompts, seeds, shape, log)
     summary = summarize(rows)
@@ -440,6 +442,7 @@ def run_bench(
             f"--eval-prompts {eval_prompts} --threads {threads}"
         ),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "provenance": prov,
     }
     out = Path(out)
     atomic_write_text(out, json.dumps(result, indent=1))

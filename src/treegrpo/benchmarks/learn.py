@@ -44,38 +44,19 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from treegrpo.rollout.planner import PAPER_PAIRS
-
-#: The keys of a result row, exactly.
-ROW_KEYS: tuple[str, ...] = (
-    "mode",
-    "budget",
-    "M",
-    "N",
-    "L",
-    "expand_mode",
-    "advantage",
-    "seed",
-    "world_seed",
-    "em_start",
-    "em_end",
-    "em_greedy_end",
-    "em_curve",
-    "generated_tokens",
-    "tool_calls",
-    "trajectories",
-    "tool_calls_per_traj_start",
-    "tool_calls_per_traj_end",
-    "wall_s",
+from treegrpo.benchmarks.learn_spec import (
+    ABLATION,
+    ABLATION_BUDGET,
+    BUDGETS,
+    EXPAND_MODES,
+    QUICK_BUDGETS,
+    ROW_KEYS,
+    RunSpec,
+    spec_of,
 )
-
-BUDGETS: tuple[int, ...] = tuple(sorted(PAPER_PAIRS))  # 2, 4, 8, 16: the paper's matched pairs
-QUICK_BUDGETS: tuple[int, ...] = (2, 4)
-EXPAND_MODES: tuple[str, ...] = ("random", "nonroot", "entropy")
-ABLATION_BUDGET = 4
-ABLATION: tuple[str, ...] = ("intra_only", "inter_only")
+from treegrpo.rollout.planner import PAPER_PAIRS
 
 
 @dataclass(frozen=True)
@@ -144,45 +125,6 @@ REGIMES: dict[str, Regime] = {
 }
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run of the table."""
-
-    mode: Literal["chain", "tree"]
-    budget: int
-    m: int
-    n: int
-    l: int
-    expand_mode: str | None
-    advantage: str
-    seed: int
-    world_seed: int
-
-    @property
-    def label(self) -> str:
-        """The configuration, without seeds: ``chain 4``, ``tree (2,2,1) random``, ``… intra_only``."""
-        if self.mode == "chain":
-            return f"chain {self.budget}"
-        s = f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"
-        return s if self.advantage == "tree_grpo" else f"{s} {self.advantage}"
-
-    @property
-    def key(self) -> str:
-        return f"{self.label} | seed {self.seed} | world {self.world_seed}"
-
-    def overrides(self) -> dict[str, Any]:
-        """The :class:`~treegrpo.train.config.TrainConfig` fields of this run."""
-        if self.mode == "chain":
-            return {"sampler": "chain", "group_size": self.budget, "advantage": "grpo", "seed": self.seed}
-        return {
-            "sampler": "tree",
-            "m": self.m,
-            "n": self.n,
-            "l": self.l,
-            "expand_mode": self.expand_mode,
-            "advantage": self.advantage,
-            "seed": self.seed,
-        }
 
 
 def plan_runs(
@@ -293,19 +235,6 @@ def run_one(spec: RunSpec, regime: Regime, model_dir: Path, eval_start: dict[str
     }
 
 
-def spec_of(row: dict[str, Any]) -> RunSpec:
-    """The run a result row describes."""
-    return RunSpec(
-        row["mode"],
-        row["budget"],
-        row["M"],
-        row["N"],
-        row["L"],
-        row["expand_mode"],
-        row["advantage"],
-        row["seed"],
-        row["world_seed"],
-    )
 
 
 # -- the whole benchmark -----------------------------------------------------------------------------
@@ -332,6 +261,7 @@ def run_bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from treegrpo.benchmarks.learn_report import plot, print_table, summarize, targets
+    from treegrpo.benchmarks.provenance import provenance
     from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
     from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
@@ -372,6 +302,7 @@ def run_bench(
             for w, p in models.items()
         },
     }
+    prov = provenance(model_dir={str(w): p for w, p in models.items()})
     rows: list[dict[str, Any]] = []
     prior_wall = 0.0  # time already spent on the rows kept by --resume
     if resume and Path(out).is_file():
@@ -380,6 +311,8 @@ def run_bench(
             wanted = {s.key for s in specs}
             rows = [r for r in old.get("rows", []) if spec_of(r).key in wanted]
             prior_wall = float(old.get("wall_s", 0.0))
+            if rows and "provenance" in old:  # the kept rows were made by that session
+                prov["resumed_from"] = old["provenance"]
             console.print(f"resuming: {len(rows)} runs already in {out}")
         else:
             console.print(f"[yellow]not resuming[/]: {out} was made with another regime or starting policy")
@@ -414,6 +347,7 @@ def run_bench(
             "wall_s": round(prior_wall + time.perf_counter() - t0, 1),  # all sessions of a resumed run
             "jobs": jobs,
             "cpu_count": os.cpu_count(),
+            "provenance": prov,
         }
 
     out = Path(out)
@@ -462,3 +396,21 @@ def run_bench(
         f"[bold]bench learn[/]: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s"
     )
     return result
+
+
+__all__ = [
+    "ABLATION",
+    "ABLATION_BUDGET",
+    "BUDGETS",
+    "EXPAND_MODES",
+    "QUICK_BUDGETS",
+    "REGIMES",
+    "ROW_KEYS",
+    "Regime",
+    "RunSpec",
+    "plan_runs",
+    "run_bench",
+    "run_one",
+    "spec_of",
+    "start_eval",
+]

@@ -1,7 +1,7 @@
 """The analysis of ``treegrpo bench learn`` results: per-configuration statistics, paired
 tree-vs-chain comparisons (at the end of the run, over the run, and at equal generated tokens), the
 issue's targets, the plot and the terminal table. Pure functions of the result rows
-(:data:`treegrpo.benchmarks.learn.ROW_KEYS`), so a saved JSON can be re-analysed."""
+(:data:`treegrpo.benchmarks.learn_spec.ROW_KEYS`), so a saved JSON can be re-analysed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from treegrpo.benchmarks.learn import ABLATION, ABLATION_BUDGET, EXPAND_MODES, spec_of
+from treegrpo.benchmarks.learn_spec import ABLATION, ABLATION_BUDGET, EXPAND_MODES, spec_of
 from treegrpo.rollout.planner import PAPER_PAIRS
 
 # -- analysis ----------------------------------------------------------------------------------------

@@ -283,12 +283,14 @@ def run_bench(
 ) -> dict[str, Any]:
     """Roll out, measure every shape, write ``out`` (JSON) and the plot next to it (``.png``).
     ``threads``: torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)."""
+    from treegrpo.benchmarks.provenance import provenance
     from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
 
     if threads:
         torch.set_num_threads(threads)
 
     model_dir = model_dir or ensure_bootstrapped()
+    prov = provenance(model_dir=model_dir)
     rows = []
     for shape in shapes:
         label = "tree ({},{},{})".format(*shape)
@@ -318,6 +320,7 @@ def run_bench(
         "(torch.profiler profile_memory events, largest 'Total Allocated')",
         "seconds": "median over repeats of forward+loss+backward of the whole batch, variants interleaved",
         "rows": rows,
+        "provenance": prov,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

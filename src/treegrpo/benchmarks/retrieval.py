@@ -21,6 +21,7 @@ English stop words, no stemming), queried in-process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -285,6 +286,8 @@ def run(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Build (or reuse) the query file, measure every retriever through its server, write JSON."""
+    from treegrpo.benchmarks.provenance import provenance
+    from treegrpo.retrieval.dense import ModelMissingError, minilm_dir
     from treegrpo.retrieval.factory import resolve_corpus
     from treegrpo.retrieval.wiki import LICENSE_NOTE, WIKI_VITAL, package_version
 
@@ -292,6 +295,10 @@ def run(
         write_queries(make_queries(n), queries_path)
         log(f"wrote {queries_path}")
     queries = read_queries(queries_path)
+    encoder = None
+    if any(k in ("dense", "hybrid") for k in kinds):
+        with contextlib.suppress(ModelMissingError):  # the servers' dense encoder
+            encoder = minilm_dir()
     corpus_path = resolve_corpus(WIKI_VITAL)
     by_method = {m: [q for q in queries if q["method"] == m] for m in METHODS}
     result: dict[str, Any] = {
@@ -308,6 +315,7 @@ def run(
         "recall": {m: {} for m in METHODS},
         "throughput": {},
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+        "provenance": provenance(model_dir=encoder),
     }
     t0 = time.perf_counter()
     rankings: dict[str, dict[str, list[list[str]]]] = {m: {} for m in METHODS}
