@@ -77,7 +77,7 @@ def _data_parts(cfg: TrainConfig, is_tiny: bool) -> tuple[Any, list[Task], list[
     template = (
         cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if is_tiny else "search_r1")
     )
-    retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url)
+    retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url, allow_offline=cfg.allow_offline_retriever)
     env = SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
     return env, tasks, eval_tasks
 
