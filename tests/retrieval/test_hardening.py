@@ -334,15 +334,17 @@ def test_start_up_check_names_the_url_and_the_fix(bm25: BM25Retriever) -> None:
     from treegrpo.retrieval.factory import make_retriever
 
     dead = f"http://{LOOPBACK}:{free_port()}"
+    t0 = time.perf_counter()
     with pytest.raises(ConfigError) as e:
-        make_retriever(url=dead)
+        make_retriever(url=dead, retries=1, backoff=0.1)
+    assert time.perf_counter() - t0 >= 0.1  # a server still starting gets the retries
     msg = str(e.value)
     assert dead + "/retrieve is unreachable" in msg and "--allow-offline-retriever" in msg and "\n" not in msg
     offline = make_retriever(url=dead, allow_offline=True)  # no probe: the run may start
     assert isinstance(offline, HTTPRetriever)
     with ServerThread(make_app(bm25)) as srv:
         assert isinstance(make_retriever(url=srv.url), HTTPRetriever)
-        with pytest.raises(ConfigError, match="answered 404"):  # a server, but not a /retrieve endpoint
+        with pytest.raises(ConfigError, match=r"not a working Search-R1 /retrieve endpoint .*\(404\)"):
             make_retriever(url=srv.url + "/nothing")
 
 

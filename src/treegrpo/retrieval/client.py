@@ -155,22 +155,17 @@ class HTTPRetriever:
                 self._client = None
 
     def check(self) -> None:
-        """Start-up probe: one search (``topk`` 1) with a single attempt, bypassing the breaker.
-        Raises :class:`RetrievalError` with one line naming the URL and the fix."""
+        """Start-up probe: one search (``topk`` 1), retried like any call (a server still coming
+        up gets ``retries`` more chances), bypassing the circuit breaker. Raises
+        :class:`RetrievalError` with one line naming the URL and the fix."""
         payload = {"queries": ["treegrpo start-up check"], "topk": 1, "return_scores": True}
         where = f"retriever at {self.url}"
         try:
-            resp = self.client.post(self.url, json=payload)
-        except httpx.TimeoutException:
-            raise RetrievalError(f"{where} did not answer within {self.timeout:g}s; {OFFLINE_FIX}") from None
-        except httpx.HTTPError as e:
-            raise RetrievalError(f"{where} is unreachable ({type(e).__name__}: {e}); {OFFLINE_FIX}") from None
-        if resp.status_code >= 400:
-            raise RetrievalError(f"{where} answered {resp.status_code}: {_message(resp)}; {OFFLINE_FIX}")
-        try:
-            parse_response(resp.json(), 1)
-        except (ValueError, RetrievalError) as e:
-            raise RetrievalError(f"{where} is not a Search-R1 /retrieve endpoint ({e}); {OFFLINE_FIX}") from None
+            parse_response(self._attempts(payload, self.retries + 1), 1)
+        except _Unavailable as e:
+            raise RetrievalError(f"{where} is unreachable ({e.reason}); {OFFLINE_FIX}") from None
+        except RetrievalError as e:  # it answered, but not as a Search-R1 /retrieve endpoint does
+            raise RetrievalError(f"{where} is not a working Search-R1 /retrieve endpoint ({e}); {OFFLINE_FIX}") from None
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
         """Top-``topk`` hits per query from the server; raises :class:`RetrievalError` when the
