@@ -72,6 +72,7 @@ def train_cmd(
     eval_data: str | None = typer.Option(None, help="Held-out questions (same formats)."),
     corpus: str | None = typer.Option(None, help="Search-R1 corpus JSONL or a built-in corpus name (wiki-vital)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
+    allow_offline_retriever: bool = typer.Option(False, "--allow-offline-retriever", help="Start even if --retriever-url does not answer now."),
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
     task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
@@ -103,7 +104,7 @@ def train_cmd(
         "preset": preset, "sampler": sampler, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
-        "task": task, "t": t, "fork_score": fork_score,
+        "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
     }  # fmt: skip
     try:
         extra = parse_set(set_)
@@ -125,20 +126,43 @@ def serve_retriever_cmd(
     corpus: str = typer.Option(..., "--corpus", help="Search-R1 corpus JSONL {id, contents}, or a built-in corpus: wiki-vital."),
     retriever: str = typer.Option("bm25", "--retriever", help="bm25 | dense | hybrid."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (loopback by default)."),
-    port: int = typer.Option(8000, "--port", help="TCP port."),
+    port: int = typer.Option(8000, "--port", help="TCP port (1-65535)."),
     topk: int = typer.Option(3, "--topk", help="Passages per query when a request gives no topk (Search-R1's default: 3)."),
     max_topk: int = typer.Option(100, "--max-topk", help="Larger topk requests are capped to this."),
     fusion: str = typer.Option("convex", "--fusion", help="hybrid: convex (normalised score fusion, alpha 0.5) | rrf."),
+    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; larger ones get 413 unread."),
+    max_queries: int = typer.Option(4096, "--max-queries", help="Queries per request (more: 413)."),
+    max_query_chars: int = typer.Option(4096, "--max-query-chars", help="Characters per query (more: 413)."),
+    max_request_tokens: int = typer.Option(100_000, "--max-request-tokens", help="Whitespace-separated words over a request's queries (more: 413)."),
+    max_pending_queries: int = typer.Option(16_384, "--max-pending-queries", help="Queries waiting over all requests; beyond it requests get 503 (clients retry)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
-    """Serve a corpus with Search-R1's retrieval API: POST /retrieve {"queries", "topk", "return_scores"}."""
+    """Serve a corpus with Search-R1's retrieval API: POST /retrieve {"queries", "topk", "return_scores"}.
+    Stops on SIGTERM/SIGINT (waiting requests get 503)."""
     from treegrpo.retrieval.factory import build_local
-    from treegrpo.retrieval.server import is_loopback, serve
+    from treegrpo.retrieval.server import Limits, is_loopback, serve
     from treegrpo.train.config import ConfigError
 
-    if fusion not in ("convex", "rrf"):
-        typer.echo("error: --fusion must be convex or rrf", err=True)
+    def fail(msg: str) -> NoReturn:
+        typer.echo(f"error: {msg}", err=True)
         raise typer.Exit(2)
+
+    if not 1 <= port <= 65535:
+        fail(f"--port {port}: must be between 1 and 65535")
+    if fusion not in ("convex", "rrf"):
+        fail("--fusion must be convex or rrf")
+    if topk < 1 or max_topk < 1:
+        fail("--topk and --max-topk must be >= 1")
+    try:
+        limits = Limits(
+            max_body_bytes=max_body_bytes, max_queries=max_queries, max_query_chars=max_query_chars,
+            max_request_tokens=max_request_tokens, max_pending_queries=max_pending_queries,
+        )  # fmt: skip
+    except ValueError as e:  # name the flags, not the fields
+        msg = str(e)
+        for name in Limits.__dataclass_fields__:
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        fail(msg)
     if not is_loopback(host):
         typer.echo(f"warning: listening on {host}: the retriever is reachable from other machines", err=True)
 
@@ -148,8 +172,7 @@ def serve_retriever_cmd(
     try:
         r = build_local(corpus, retriever, fusion=fusion, progress=progress)
     except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     info = {"retriever": retriever, "corpus": corpus}
     if retriever == "hybrid":
         info["fusion"] = fusion
@@ -160,10 +183,9 @@ def serve_retriever_cmd(
         typer.echo(LICENSE_NOTE, err=True)
     typer.echo(f"serving {len(r.docs)} passages ({retriever}) on http://{host}:{port}/retrieve", err=True)  # type: ignore[attr-defined]
     try:
-        serve(r, host=host, port=port, log_level=log_level, default_topk=topk, max_topk=max_topk, info=info)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        serve(r, host=host, port=port, log_level=log_level, default_topk=topk, max_topk=max_topk, info=info, limits=limits)
+    except (ValueError, OverflowError) as e:
+        fail(str(e))
 
 
 @app.command("corpus")

@@ -178,7 +178,7 @@ def test_retriever_failure_is_a_500_and_serving_goes_on(bm25: BM25Retriever) -> 
 
 def test_restart_client_errors_become_observations_then_recover(bm25: BM25Retriever) -> None:
     srv = ServerThread(make_app(bm25)).start()
-    client = HTTPRetriever(srv.url, timeout=2, retries=1, backoff=0.05)
+    client = HTTPRetriever(srv.url, timeout=2, retries=1, backoff=0.05, breaker_cooldown=0.3)
     env = SearchEnv(client, topk=1, prompt_template="minimal")
     task = Task("q", "where is the Nile?", ["Africa"])
     step = "<think> x </think><search> Nile river </search>"
@@ -187,10 +187,11 @@ def test_restart_client_errors_become_observations_then_recover(bm25: BM25Retrie
     srv.stop()
     (down,) = env.step([task], [step], [True])  # no exception: the model sees what happened
     assert down.retrieval_error and not down.done and "Search failed" in (down.observation or "")
-    with pytest.raises(RetrievalError, match="failed after 2 attempts"):
+    with pytest.raises(RetrievalError, match="is down"):  # the breaker: no retries while it is open
         client.retrieve(["Nile"], 1)
     restarted = ServerThread(make_app(bm25), port=srv.port).start()  # same address, new process state
     try:
+        time.sleep(0.35)  # past the breaker's cooldown: the next call probes and gets through
         (again,) = env.step([task], [step], [True])
         assert not again.retrieval_error and again.observation == ok.observation
     finally:

@@ -130,16 +130,17 @@ def test_train_on_search_r1_parquet_with_wiki_vital_server(
 def test_train_reports_a_dead_server_as_retrieval_errors(
     taught_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No server behind the URL: the run does not crash; every failed search is counted."""
+    """No server behind the URL: the start-up probe refuses it in one line; with
+    allow_offline_retriever the run does not crash and every failed search is counted."""
     from treegrpo.retrieval.client import HTTPRetriever
     from treegrpo.retrieval.server import free_port
-    from treegrpo.train.config import make_config
+    from treegrpo.train.config import ConfigError, make_config
     from treegrpo.train.setup import build_run
     from treegrpo.train.trainer import train
 
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
     url = f"http://127.0.0.1:{free_port()}"
-    cfg = make_config(
+    fields = (
         {
             "model": str(taught_model), "data": str(write_search_r1_parquet(tmp_path / "train.parquet")),
             "retriever_url": url, "steps": 1, "prompts_per_step": 1, "sampler": "chain", "group_size": 2,
@@ -147,6 +148,9 @@ def test_train_reports_a_dead_server_as_retrieval_errors(
             "eval_sampled": False, "tensorboard": False, "kl_coef": 0.0,
         }
     )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"is unreachable .*--allow-offline-retriever"):
+        build_run(make_config(fields))
+    cfg = make_config({**fields, "allow_offline_retriever": True})
     parts = build_run(cfg)
     assert isinstance(parts.env.retriever, HTTPRetriever) and parts.env.retriever.url == url + "/retrieve"
     parts.env.retriever = HTTPRetriever(url, timeout=1, retries=0)  # fail fast

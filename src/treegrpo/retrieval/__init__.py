@@ -3,6 +3,22 @@
 corpus. Heavy pieces (torch, FastAPI) are imported only by the modules that need them.
 """
 
-from treegrpo.retrieval.base import CorpusError, Doc, Hit, RetrievalError, Retriever, format_passages
+from treegrpo.retrieval.base import (
+    CorpusError,
+    Doc,
+    Hit,
+    RetrievalError,
+    Retriever,
+    format_passages,
+    retrieval_error_warning,
+)
 
-__all__ = ["CorpusError", "Doc", "Hit", "RetrievalError", "Retriever", "format_passages"]
+__all__ = [
+    "CorpusError",
+    "Doc",
+    "Hit",
+    "RetrievalError",
+    "Retriever",
+    "format_passages",
+    "retrieval_error_warning",
+]

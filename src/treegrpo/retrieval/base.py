@@ -66,6 +66,28 @@ def format_passages(hits: Sequence[Hit]) -> str:
     return "".join(f"Doc {i + 1}(Title: {h.doc.title}) {h.doc.text}\n" for i, h in enumerate(hits))
 
 
+def retrieval_error_warning(errors: int, calls: int, threshold: float = 0.05) -> str | None:
+    """The console warning for a step whose searches failed too often, or None.
+
+    ``errors`` failed out of ``calls`` searches (a step's ``budget/retrieval_errors`` and
+    ``budget/tool_calls``); the warning is due when ``errors / calls > threshold``.
+
+    Raises:
+        ValueError: negative counts, ``errors > calls``, or ``threshold`` outside [0, 1).
+    """
+    if errors < 0 or calls < 0 or errors > calls:
+        raise ValueError(f"need 0 <= errors <= calls, got errors={errors}, calls={calls}")
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"threshold must be in [0, 1), got {threshold}")
+    if calls == 0 or errors <= threshold * calls:
+        return None
+    return (
+        f"warning: {errors} of {calls} searches failed this step ({100 * errors / calls:.0f}%, "
+        "budget/retrieval_errors); the model sees 'Search failed' instead of passages. "
+        "Check the retriever (is the --retriever-url server up?)"
+    )
+
+
 def read_corpus(path: str | Path) -> list[Doc]:
     """Read a Search-R1 corpus JSONL file, with errors that name the line and the field."""
     p = Path(path)

@@ -6,6 +6,14 @@ Timeouts, connection errors, 5xx and 429 answers are retried with exponential ba
 that still fails raises :class:`~treegrpo.retrieval.base.RetrievalError`, which the search
 environment turns into an observation the model sees (the run goes on and counts it in
 ``budget/retrieval_errors``).
+
+Circuit breaker: after ``breaker_after`` consecutive calls failed that way, the server is
+considered down and calls fail at once (no request, no retry waits) for ``breaker_cooldown``
+seconds; then one call probes it with a single attempt — success closes the breaker, failure
+opens it again for twice as long (up to ``breaker_max_cooldown``). A dead server thus costs one
+retry cycle, then almost nothing per call, instead of the full retry cycle on every call.
+
+:meth:`HTTPRetriever.check` is the start-up probe a training run makes before its first step.
 """
 
 from __future__ import annotations
@@ -66,6 +74,12 @@ def parse_response(payload: Any, n_queries: int) -> list[list[Hit]]:
     return out
 
 
+OFFLINE_FIX = (
+    "start it (treegrpo serve-retriever --corpus FILE --port N), fix --retriever-url, or pass "
+    "--allow-offline-retriever to train anyway (failed searches are counted in budget/retrieval_errors)"
+)
+
+
 class HTTPRetriever:
     """:class:`~treegrpo.retrieval.base.Retriever` over HTTP (Search-R1's ``/retrieve`` API).
 
@@ -75,6 +89,10 @@ class HTTPRetriever:
         retries: extra attempts after a failed one (timeouts, connection errors, 5xx, 429).
         backoff: first wait between attempts in seconds; doubles each time (capped at 30 s).
         batch_size: queries per request (larger batches are split).
+        breaker_after: consecutive failed calls (after their retries) that open the circuit
+            breaker (module docstring); 0 turns the breaker off.
+        breaker_cooldown: seconds calls fail fast once the breaker opens; doubles on every
+            failed probe, up to ``breaker_max_cooldown``.
 
     Thread-safe; the connection pool is created on first use (so the object pickles).
     """
@@ -82,16 +100,36 @@ class HTTPRetriever:
     name = "http"
 
     def __init__(
-        self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5, batch_size: int = 512
+        self,
+        url: str,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        batch_size: int = 512,
+        breaker_after: int = 1,
+        breaker_cooldown: float = 5.0,
+        breaker_max_cooldown: float = 60.0,
     ) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         if retries < 0 or backoff < 0 or batch_size < 1:
             raise ValueError("retries and backoff must be >= 0 and batch_size >= 1")
+        if breaker_after < 0 or breaker_cooldown < 0 or breaker_max_cooldown < breaker_cooldown:
+            raise ValueError("breaker_after and breaker_cooldown must be >= 0, breaker_max_cooldown >= breaker_cooldown")
         self.url = retrieve_url(url)
         self.timeout, self.retries, self.backoff, self.batch_size = timeout, retries, backoff, batch_size
+        self.breaker_after, self.breaker_cooldown = breaker_after, breaker_cooldown
+        self.breaker_max_cooldown = breaker_max_cooldown
         self._client: httpx.Client | None = None
         self._lock = threading.Lock()
+        self._reset_breaker()
+
+    def _reset_breaker(self) -> None:
+        self._failures = 0  # consecutive failed calls
+        self._open_until = 0.0  # monotonic time the breaker stays open until (0: closed)
+        self._cooldown = self.breaker_cooldown
+        self._probing = False
+        self._last_error = ""
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -101,6 +139,7 @@ class HTTPRetriever:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._reset_breaker()  # monotonic times do not carry across processes
 
     @property
     def client(self) -> httpx.Client:
@@ -114,6 +153,19 @@ class HTTPRetriever:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+    def check(self) -> None:
+        """Start-up probe: one search (``topk`` 1), retried like any call (a server still coming
+        up gets ``retries`` more chances), bypassing the circuit breaker. Raises
+        :class:`RetrievalError` with one line naming the URL and the fix."""
+        payload = {"queries": ["treegrpo start-up check"], "topk": 1, "return_scores": True}
+        where = f"retriever at {self.url}"
+        try:
+            parse_response(self._attempts(payload, self.retries + 1), 1)
+        except _Unavailable as e:
+            raise RetrievalError(f"{where} is unreachable ({e.reason}); {OFFLINE_FIX}") from None
+        except RetrievalError as e:  # it answered, but not as a Search-R1 /retrieve endpoint does
+            raise RetrievalError(f"{where} is not a working Search-R1 /retrieve endpoint ({e}); {OFFLINE_FIX}") from None
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
         """Top-``topk`` hits per query from the server; raises :class:`RetrievalError` when the
@@ -129,9 +181,55 @@ class HTTPRetriever:
             out.extend(parse_response(self._post(payload), len(chunk)))
         return out
 
+    def _admit(self) -> int:
+        """How many attempts this call may make (``retries + 1``, 1 for a probe), or raise the
+        breaker's fast :class:`RetrievalError` while it is open."""
+        with self._lock:
+            if self._open_until == 0.0:
+                return self.retries + 1
+            wait = self._open_until - time.monotonic()
+            if wait > 0 or self._probing:
+                raise RetrievalError(
+                    f"retriever at {self.url} is down ({self._failures} failed call"
+                    f"{'s' * (self._failures > 1)}, last: {self._last_error}); not retrying for "
+                    f"{max(wait, 0.0):.1f}s more"
+                )
+            self._probing = True
+            return 1
+
+    def _record(self, ok: bool, error: str = "") -> None:
+        with self._lock:
+            self._probing = False
+            if ok:
+                self._failures, self._open_until, self._cooldown = 0, 0.0, self.breaker_cooldown
+                return
+            self._failures += 1
+            self._last_error = error
+            if self.breaker_after and self._failures >= self.breaker_after:
+                if self._open_until:  # a failed probe: back off longer
+                    self._cooldown = min(self.breaker_max_cooldown, self._cooldown * 2)
+                self._open_until = time.monotonic() + self._cooldown
+
     def _post(self, payload: dict[str, Any]) -> Any:
+        tries = self._admit()
+        try:
+            answer = self._attempts(payload, tries)
+        except _Unavailable as e:
+            self._record(False, e.reason)
+            raise RetrievalError(str(e)) from None
+        except RetrievalError:
+            self._record(True)  # the server answered (a bad request or response): it is up
+            raise
+        except BaseException:  # not the server's doing: leave the count, end a probe
+            with self._lock:
+                self._probing = False
+            raise
+        self._record(True)
+        return answer
+
+    def _attempts(self, payload: dict[str, Any], tries: int) -> Any:
         last = ""
-        for attempt in range(self.retries + 1):
+        for attempt in range(tries):
             if attempt:
                 time.sleep(min(30.0, self.backoff * 2 ** (attempt - 1)))
             try:
@@ -153,8 +251,9 @@ class HTTPRetriever:
                 return resp.json()
             except ValueError:
                 raise RetrievalError("bad response from the retriever: not JSON") from None
-        tries = self.retries + 1
-        raise RetrievalError(f"retriever at {self.url} failed after {tries} attempt{'s' * (tries > 1)}: {last}")
+        raise _Unavailable(
+            f"retriever at {self.url} failed after {tries} attempt{'s' * (tries > 1)}: {last}", last
+        )
 
     def health(self) -> dict[str, Any]:
         """``GET /`` of the server (ours answers with its retriever, corpus and limits)."""
@@ -165,6 +264,14 @@ class HTTPRetriever:
             return resp.json()
         except (httpx.HTTPError, ValueError) as e:
             raise RetrievalError(f"retriever health check at {base} failed: {e}") from None
+
+
+class _Unavailable(RetrievalError):
+    """Every attempt of a call failed with a timeout, a connection error or a retryable status."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _message(resp: httpx.Response) -> str:

@@ -26,6 +26,7 @@ from treegrpo.retrieval.base import (
     CorpusError,
     Doc,
     JsonlDocs,
+    RetrievalError,
     Retriever,
     corpus_fingerprint,
     line_offsets,
@@ -164,6 +165,7 @@ def make_retriever(
     fusion: str = "convex",
     alpha: float = 0.5,
     progress: Callable[[int, int], None] | None = None,
+    allow_offline: bool = False,
 ) -> Retriever:
     """The retriever a run uses: an HTTP client for ``url``, or an in-process index over ``corpus``.
 
@@ -173,9 +175,12 @@ def make_retriever(
         kind: in-process retriever (bm25 | dense | hybrid); ignored with ``url``.
         timeout, retries, backoff: the HTTP client's settings.
         cache, fusion, alpha, progress: see :func:`build_local`.
+        allow_offline: with ``url``, skip the start-up probe (:meth:`HTTPRetriever.check`): the
+            run starts even when the server cannot be reached (``--allow-offline-retriever``).
 
     Raises:
-        ConfigError: neither or both of ``corpus``/``url``, or any problem building the index.
+        ConfigError: neither or both of ``corpus``/``url``, a server that does not answer the
+            start-up probe (unless ``allow_offline``), or any problem building the index.
     """
     if (corpus is None) == (url is None):
         raise ConfigError("give exactly one of a corpus (--corpus) or a retrieval server URL (--retriever-url)")
@@ -183,8 +188,14 @@ def make_retriever(
         from treegrpo.retrieval.client import HTTPRetriever
 
         try:
-            return HTTPRetriever(url, timeout=timeout, retries=retries, backoff=backoff)
+            client = HTTPRetriever(url, timeout=timeout, retries=retries, backoff=backoff)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not allow_offline:
+            try:
+                client.check()
+            except RetrievalError as e:
+                raise ConfigError(str(e)) from None
+        return client
     assert corpus is not None
     return build_local(corpus, kind, cache=cache, fusion=fusion, alpha=alpha, progress=progress)

@@ -8,16 +8,23 @@ answers ``{"result": [[item, ...], ...]}``, one list per query, best first, wher
 ``{"document": {"id", "contents"}, "score": float}`` when ``return_scores`` is true and the bare
 document ``{"id", "contents"}`` when it is false.
 
-Beyond Search-R1: ``GET /`` (and ``/health``) reports the retriever, corpus size and limits;
-malformed requests get a 4xx with ``{"error": "<one line>", "detail": [...]}`` instead of a crash
-(empty body or invalid JSON → 400; missing, mistyped or negative fields → 422; too many
-queries → 413; the body is read as JSON whatever the content type); a
-``topk`` above ``max_topk`` (or the corpus size) is capped, and the answer's
-``x-treegrpo-topk`` header says what was used.
+Beyond Search-R1: ``GET /`` (and ``/health``) reports the retriever, corpus size, limits and
+counters. Every error answer is ``{"error": "<one line>"}`` (validation errors add ``"detail"``):
+empty body or invalid JSON → 400; unknown path → 404; wrong method → 405; missing, mistyped or
+negative fields → 422; a request over a :class:`Limits` cap → 413 naming the cap and its
+``serve-retriever`` flag; the work queue full → 503 (with ``Retry-After``), as is every request
+still waiting when the server shuts down. The body is read as JSON whatever the content type; a
+``topk`` above ``max_topk`` (or the corpus size) is capped, and the answer's ``x-treegrpo-topk``
+header says what was used.
 
-Concurrency: requests are queued and a single worker drains the queue, running every waiting
-request's queries as one batched retriever call (grouped by ``topk``) in a worker thread. Under
-load, batches grow by themselves; idle, a request is served alone with no added wait.
+Work: a request's queries are cut into chunks (:attr:`Limits.chunk_queries` queries or
+:attr:`Limits.chunk_tokens` words, whichever comes first). A single worker thread runs one
+retriever call at a time; each call takes the next chunk of every waiting request in turn
+(round robin, grouped by ``topk``), so concurrent small requests share a call and a small request
+waits for about one chunk, not for a big request to finish. A request whose client has gone away
+is dropped before its next chunk. On SIGTERM/SIGINT the server stops accepting, answers every
+waiting request with 503 and exits (the worker is a daemon thread: a call still running does not
+hold the process).
 """
 
 from __future__ import annotations
@@ -25,20 +32,104 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
+import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treegrpo.retrieval.base import Hit, Retriever
 
 LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and how much work may wait. Each field is a
+    ``treegrpo serve-retriever`` flag of the same name (``max_body_bytes`` → ``--max-body-bytes``).
+
+    Attributes:
+        max_body_bytes: request body size; checked against ``Content-Length`` before reading and
+            counted while the body streams in (a larger body is never read into memory).
+        max_queries: queries per request.
+        max_query_chars: characters per query.
+        max_request_tokens: whitespace-separated words over all queries of a request.
+        max_pending_queries: queries accepted and not yet answered, over all requests; a request
+            that would go over gets 503 (clients retry it). At least ``max_queries``.
+        chunk_queries, chunk_tokens: the most queries / words a request contributes to one
+            retriever call (the fairness unit: a small request waits about one chunk).
+    """
+
+    max_body_bytes: int = 8 * 2**20
+    max_queries: int = 4096
+    max_query_chars: int = 4096
+    max_request_tokens: int = 100_000
+    max_pending_queries: int = 16_384
+    chunk_queries: int = 64
+    chunk_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_pending_queries < self.max_queries:
+            raise ValueError(
+                f"max_pending_queries ({self.max_pending_queries}) must be >= max_queries ({self.max_queries})"
+            )
+
+    def request_problem(self, queries: Sequence[str]) -> str | None:
+        """Why a request with ``queries`` is over a limit (one line naming the flag), or None."""
+        if len(queries) > self.max_queries:
+            return (
+                f"too many queries: {len(queries)} > {self.max_queries} per request; split them "
+                "(or raise the server's --max-queries)"
+            )
+        tokens = 0
+        for i, q in enumerate(queries):
+            if len(q) > self.max_query_chars:
+                return (
+                    f"query {i} is {len(q)} characters > {self.max_query_chars}; shorten it "
+                    "(or raise the server's --max-query-chars)"
+                )
+            tokens += query_tokens(q)
+        if tokens > self.max_request_tokens:
+            return (
+                f"request has {tokens} query words > {self.max_request_tokens} per request; split it "
+                "(or raise the server's --max-request-tokens)"
+            )
+        return None
+
+
+def query_tokens(query: str) -> int:
+    """A query's size for the limits and chunking: its whitespace-separated words (at least 1)."""
+    return max(1, len(query.split()))
+
+
+def chunk_spans(queries: Sequence[str], max_queries: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """``(start, end, tokens)`` spans cutting ``queries`` in order into chunks of at most
+    ``max_queries`` queries and (unless a single query is larger) ``max_tokens`` words."""
+    spans: list[tuple[int, int, int]] = []
+    start, tokens = 0, 0
+    for i, q in enumerate(queries):
+        t = query_tokens(q)
+        if i > start and (i - start >= max_queries or tokens + t > max_tokens):
+            spans.append((start, i, tokens))
+            start, tokens = i, 0
+        tokens += t
+    if start < len(queries):
+        spans.append((start, len(queries), tokens))
+    return spans
 
 
 class RetrieveRequest(BaseModel):
@@ -50,11 +141,22 @@ class RetrieveRequest(BaseModel):
     return_scores: StrictBool = False
 
 
-@dataclass
+class QueueFull(Exception):
+    """More queries are waiting than :attr:`Limits.max_pending_queries` allows."""
+
+
+class ServerClosing(Exception):
+    """The server is shutting down; the request was not (fully) answered."""
+
+
+@dataclass(eq=False)
 class _Job:
     queries: list[str]
     topk: int
+    spans: deque[tuple[int, int, int]]
     future: asyncio.Future[list[list[Hit]]]
+    rows: list[list[Hit]] = field(default_factory=list)
+    done: bool = False
 
 
 @dataclass
@@ -65,78 +167,201 @@ class ServerStats:
     queries: int = 0
     batches: int = 0
     errors: int = 0
+    rejected: int = 0
+    cancelled: int = 0
     started: float = field(default_factory=time.time)
 
 
-class Batcher:
-    """Collects concurrent requests and runs them as batched retriever calls, one at a time, in a
-    worker thread (the event loop stays free to accept and answer requests)."""
+class _Worker:
+    """One daemon thread running calls in order. Daemon: a call still running when the server
+    stops does not keep the process alive."""
 
-    def __init__(self, retriever: Retriever, max_batch_queries: int = 1024) -> None:
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._calls.put((loop, fut, fn, args))
+        return fut
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            loop, fut, fn, args = item
+            try:
+                value, error = fn(*args), None
+            except Exception as e:  # handed to the awaiting coroutine
+                value, error = None, e
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, fut, value, error)
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+class Batcher:
+    """Runs requests' queries as batched retriever calls, one call at a time, in a worker thread
+    (the event loop stays free to accept and answer requests); see the module docstring."""
+
+    def __init__(self, retriever: Retriever, limits: Limits | None = None, max_batch_queries: int = 1024) -> None:
         self.retriever = retriever
+        self.limits = limits or Limits()
         self.max_batch_queries = max_batch_queries
-        self.queue: asyncio.Queue[_Job] | None = None
-        self.task: asyncio.Task[None] | None = None
+        self.max_batch_tokens = 8 * self.limits.chunk_tokens
+        self.active: deque[_Job] = deque()  # jobs with chunks left, in turn order
+        self.jobs: set[_Job] = set()  # every unfinished job (including ones in the running call)
+        self.pending_queries = 0
+        self.closing: str | None = None
         self.stats = ServerStats()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wakeup: asyncio.Event | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.worker: _Worker | None = None
 
     async def start(self) -> None:
-        self.queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.wakeup = asyncio.Event()
+        self.closing = None
+        self.worker = _Worker("retriever-worker")
         self.task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        self.abort("the server is shutting down")
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
+        if self.worker is not None:
+            self.worker.close()
 
-    async def submit(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        assert self.queue is not None, "Batcher.start() was not called"
-        fut: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Job(queries, topk, fut))
-        return await fut
+    def abort(self, reason: str) -> None:
+        """Refuse new work and fail every unfinished request with :class:`ServerClosing`."""
+        self.closing = reason
+        for job in list(self.jobs):
+            self._finish(job, error=ServerClosing(reason))
+
+    def abort_threadsafe(self, reason: str) -> None:
+        """:meth:`abort` from another thread or a signal handler."""
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.abort, reason)
+
+    def submit(self, queries: list[str], topk: int) -> _Job:
+        """Queue ``queries``; the returned job's ``future`` gets one hit list per query.
+        Raises :class:`QueueFull` or :class:`ServerClosing`."""
+        assert self.wakeup is not None, "Batcher.start() was not called"
+        if self.closing is not None:
+            raise ServerClosing(self.closing)
+        n, cap = len(queries), self.limits.max_pending_queries
+        if self.pending_queries + n > cap:
+            raise QueueFull(
+                f"server busy: {self.pending_queries} queries already waiting, {n} more would exceed "
+                f"{cap}; retry shortly (or raise the server's --max-pending-queries)"
+            )
+        spans = deque(chunk_spans(queries, self.limits.chunk_queries, self.limits.chunk_tokens))
+        job = _Job(queries, topk, spans, asyncio.get_running_loop().create_future())
+        self.jobs.add(job)
+        self.active.append(job)
+        self.pending_queries += n
+        self.wakeup.set()
+        return job
+
+    def cancel(self, job: _Job) -> None:
+        """Drop a job's remaining work (its client is gone); no-op for a finished job."""
+        if not job.done:
+            self.stats.cancelled += 1
+            self._finish(job, cancel=True)
+
+    def _finish(
+        self, job: _Job, result: list[list[Hit]] | None = None, error: Exception | None = None, cancel: bool = False
+    ) -> None:
+        if job.done:
+            return
+        job.done = True
+        self.jobs.discard(job)
+        self.pending_queries -= len(job.queries)
+        if job.future.done():
+            return
+        if cancel:
+            job.future.cancel()
+        elif error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result if result is not None else job.rows)
+
+    def _take_batch(self) -> list[tuple[_Job, int, int]]:
+        """The next chunk of each waiting job in turn, up to the batch caps."""
+        batch: list[tuple[_Job, int, int]] = []
+        n_queries = n_tokens = 0
+        for _ in range(len(self.active)):
+            job = self.active.popleft()
+            if job.done:
+                continue
+            start, end, tokens = job.spans.popleft()
+            batch.append((job, start, end))
+            n_queries += end - start
+            n_tokens += tokens
+            if job.spans:
+                self.active.append(job)
+            if n_queries >= self.max_batch_queries or n_tokens >= self.max_batch_tokens:
+                break
+        return batch
 
     async def _run(self) -> None:
-        assert self.queue is not None
+        assert self.wakeup is not None and self.worker is not None
         while True:
-            jobs = [await self.queue.get()]
-            n = len(jobs[0].queries)
-            while n < self.max_batch_queries and not self.queue.empty():
-                job = self.queue.get_nowait()
-                jobs.append(job)
-                n += len(job.queries)
-            by_k: dict[int, list[_Job]] = {}
-            for job in jobs:
-                if not job.future.cancelled():
-                    by_k.setdefault(job.topk, []).append(job)
+            if not self.active:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            by_k: dict[int, list[tuple[_Job, int, int]]] = {}
+            for item in self._take_batch():
+                by_k.setdefault(item[0].topk, []).append(item)
             for k, group in by_k.items():
-                flat = [q for job in group for q in job.queries]
+                group = [(job, a, b) for job, a, b in group if not job.done]
+                if not group:
+                    continue
+                flat = [q for job, a, b in group for q in job.queries[a:b]]
                 self.stats.batches += 1
                 try:
-                    results = await asyncio.to_thread(self.retriever.retrieve, flat, k)
+                    results = await self.worker.run(self.retriever.retrieve, flat, k)
                     if len(results) != len(flat):
                         raise RuntimeError(f"retriever returned {len(results)} lists for {len(flat)} queries")
-                except Exception as e:  # the request fails, the server keeps serving
+                except Exception as e:  # the requests fail, the server keeps serving
                     self.stats.errors += 1
-                    for job in group:
-                        if not job.future.done():
-                            job.future.set_exception(e)
+                    for job, _, _ in group:
+                        self._finish(job, error=e)
                     continue
                 pos = 0
-                for job in group:
-                    part = results[pos : pos + len(job.queries)]
-                    pos += len(job.queries)
-                    if not job.future.done():
-                        job.future.set_result(part)
+                for job, a, b in group:
+                    part = results[pos : pos + b - a]
+                    pos += b - a
+                    if job.done:
+                        continue
+                    job.rows.extend(part)
+                    if not job.spans:
+                        self._finish(job)
 
 
-def _error(status: int, message: str, detail: Any = None) -> JSONResponse:
+def _error(status: int, message: str, detail: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": message}
     if detail is not None:
         body["detail"] = detail
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _validation_message(errors: list[Any]) -> str:
+def _validation_message(errors: Sequence[Any]) -> str:
     parts = []
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -174,6 +399,39 @@ def parse_request(raw: bytes) -> RetrieveRequest | JSONResponse:
         return _error(422, _validation_message(errors), detail=[{k: err.get(k) for k in ("loc", "msg", "type")} for err in errors])
 
 
+def _too_large(size: str, limit: int) -> JSONResponse:
+    return _error(
+        413,
+        f"request body is {size} > {limit} bytes; split the batch (or raise the server's --max-body-bytes)",
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes | JSONResponse:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes: from
+    ``Content-Length`` before anything is read, else counted while it streams in."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            return _error(400, f"bad Content-Length header {declared[:40]!r}")
+        if size > limit:
+            return _too_large(f"{size} bytes", limit)
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            return _too_large(f"over {limit} bytes (so far {len(buf)})", limit)
+    return bytes(buf)
+
+
+async def _until_disconnect(receive: Callable[[], Any]) -> None:
+    """Returns when the client has closed the connection (after the body was read, the ASGI
+    server's ``receive`` only answers ``http.disconnect``)."""
+    while (await receive()).get("type") != "http.disconnect":
+        await asyncio.sleep(0.05)
+
+
 def _doc_json(hit: Hit) -> dict[str, str]:
     return {"id": hit.doc.id, "contents": hit.doc.contents}
 
@@ -184,6 +442,9 @@ def make_app(
     max_topk: int = 100,
     max_queries: int = 4096,
     info: dict[str, Any] | None = None,
+    *,
+    limits: Limits | None = None,
+    **limit_fields: int,
 ) -> FastAPI:
     """The FastAPI app serving ``retriever`` with Search-R1's API.
 
@@ -192,12 +453,22 @@ def make_app(
         default_topk: passages per query when the request's ``topk`` is null or 0 (Search-R1's
             ``--topk``, default 3).
         max_topk: larger requests are capped to this (and to the corpus size).
-        max_queries: queries per request; more get 413.
+        max_queries: queries per request; more get 413 (:attr:`Limits.max_queries`).
         info: extra fields for ``GET /`` (retriever kind, corpus name, licence…).
+        limits: all request and queue limits at once; or give single :class:`Limits` fields as
+            keywords (``max_body_bytes=...``), which override it.
+
+    Raises:
+        ValueError: a limit below 1, or an unknown limit name.
     """
-    if default_topk < 1 or max_topk < 1 or max_queries < 1:
-        raise ValueError("default_topk, max_topk and max_queries must be >= 1")
-    batcher = Batcher(retriever)
+    if default_topk < 1 or max_topk < 1:
+        raise ValueError("default_topk and max_topk must be >= 1")
+    unknown = set(limit_fields) - set(Limits.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown server limit(s) {sorted(unknown)}; known: {', '.join(Limits.__dataclass_fields__)}")
+    base = asdict(limits) if limits is not None else {"max_queries": max_queries}
+    limits = Limits(**{**base, **limit_fields})
+    batcher = Batcher(retriever, limits)
     n_docs = len(getattr(retriever, "docs", ())) or None
     cap = min(max_topk, n_docs) if n_docs else max_topk
 
@@ -211,23 +482,39 @@ def make_app(
 
     app = FastAPI(title="treegrpo retriever (Search-R1 API)", lifespan=lifespan)
     app.state.batcher = batcher
+    stats = batcher.stats
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{exc.detail}: {request.method} {request.url.path}; the API is POST /retrieve (GET / for status)"
+        return _error(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, _validation_message(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal server error: {type(exc).__name__}: {exc}")
 
     def health() -> dict[str, Any]:
-        s = batcher.stats
         return {
-            "status": "ok",
+            "status": "ok" if batcher.closing is None else "closing",
             "api": "search-r1",
             "endpoint": "POST /retrieve",
             **(info or {}),
             "num_docs": n_docs,
             "default_topk": default_topk,
             "max_topk": cap,
-            "max_queries": max_queries,
-            "requests": s.requests,
-            "queries": s.queries,
-            "batches": s.batches,
-            "errors": s.errors,
-            "uptime_s": round(time.time() - s.started, 1),
+            **asdict(limits),
+            "pending_queries": batcher.pending_queries,
+            "requests": stats.requests,
+            "queries": stats.queries,
+            "batches": stats.batches,
+            "errors": stats.errors,
+            "rejected": stats.rejected,
+            "cancelled": stats.cancelled,
+            "uptime_s": round(time.time() - stats.started, 1),
         }
 
     app.get("/")(health)
@@ -236,18 +523,41 @@ def make_app(
     @app.post("/retrieve")
     async def retrieve(http_request: Request) -> JSONResponse:
         """Search-R1's endpoint (see the module docstring)."""
-        request = parse_request(await http_request.body())
+        body = await read_body(http_request, limits.max_body_bytes)
+        request = parse_request(body) if isinstance(body, bytes) else body
         if isinstance(request, JSONResponse):
+            stats.rejected += 1
             return request
-        if len(request.queries) > max_queries:
-            return _error(413, f"too many queries: {len(request.queries)} > {max_queries} per request; split them")
+        problem = limits.request_problem(request.queries)
+        if problem is not None:
+            stats.rejected += 1
+            return _error(413, problem)
         k = min(request.topk or default_topk, cap)
-        batcher.stats.requests += 1
-        batcher.stats.queries += len(request.queries)
-        try:
-            rows = await batcher.submit(list(request.queries), k) if request.queries else []
-        except Exception as e:
-            return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
+        rows: list[list[Hit]] = []
+        if request.queries:
+            try:
+                job = batcher.submit(list(request.queries), k)
+            except (QueueFull, ServerClosing) as e:
+                stats.rejected += 1
+                return _error(503, str(e), headers={"retry-after": "1"})
+            stats.requests += 1
+            stats.queries += len(request.queries)
+            gone = asyncio.ensure_future(_until_disconnect(http_request.receive))
+            try:
+                await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                batcher.cancel(job)  # no-op when answered; drops the rest of the work otherwise
+            if job.future.cancelled():  # the client is gone: nobody reads this
+                return _error(499, "client closed the connection")
+            try:
+                rows = job.future.result()
+            except ServerClosing as e:
+                return _error(503, str(e))
+            except Exception as e:
+                return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
+        else:
+            stats.requests += 1
         if request.return_scores:
             result: list[list[Any]] = [[{"document": _doc_json(h), "score": h.score} for h in row] for row in rows]
         else:
@@ -269,17 +579,35 @@ def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
+GRACEFUL_TIMEOUT_S = 5.0
+
+
+def _abort_batcher(app: Any, reason: str) -> None:
+    batcher = getattr(getattr(app, "state", None), "batcher", None)
+    if isinstance(batcher, Batcher):
+        batcher.abort_threadsafe(reason)
+
+
 class ServerThread:
     """Runs an app with uvicorn in a background thread (tests, benchmarks, in-process serving).
 
     Use as a context manager, or :meth:`start` / :meth:`stop`; ``url`` is the base address.
+    Stopping answers every waiting request with 503 instead of waiting for it.
     """
 
     def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int | None = None) -> None:
         import uvicorn
 
+        self.app = app
         self.host, self.port = host, port or free_port(host)
-        self.config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        self.config = uvicorn.Config(
+            app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
+        )
         self.server = uvicorn.Server(self.config)
         self.thread: threading.Thread | None = None
 
@@ -300,6 +628,7 @@ class ServerThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
+        _abort_batcher(self.app, "the server is shutting down")
         if self.thread is not None:
             self.thread.join(timeout)
         self.server.started = False
@@ -319,10 +648,26 @@ def serving(retriever: Retriever, host: str = LOOPBACK, port: int | None = None,
 
 
 def serve(
-    retriever: Retriever, host: str = LOOPBACK, port: int = 8000, log_level: str = "info", **kw: Any
+    retriever: Retriever,
+    host: str = LOOPBACK,
+    port: int = 8000,
+    log_level: str = "info",
+    graceful_timeout: float = GRACEFUL_TIMEOUT_S,
+    **kw: Any,
 ) -> None:
-    """Serve in the foreground until interrupted (``treegrpo serve-retriever``)."""
+    """Serve in the foreground until SIGTERM/SIGINT (``treegrpo serve-retriever``). On the signal
+    the server stops accepting, answers waiting requests with 503 and exits; connections still
+    open after ``graceful_timeout`` seconds are cut."""
     import uvicorn
 
-    uvicorn.run(make_app(retriever, **kw), host=host, port=port, log_level=log_level)
+    app = make_app(retriever, **kw)
 
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            _abort_batcher(app, f"the server is shutting down ({signal.Signals(sig).name})")
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout
+    )
+    _Server(config).run()

@@ -206,7 +206,7 @@ def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
     template = (
         cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if model.is_tiny else "search_r1")
     )
-    retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url)
+    retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url, allow_offline=cfg.allow_offline_retriever)
     env = SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
     return TaskSource(env, tasks, eval_tasks)
 

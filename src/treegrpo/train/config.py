@@ -52,6 +52,10 @@ class TrainConfig(BaseModel):
     retriever_url: str | None = Field(
         None, description="URL of a Search-R1-compatible retrieval server (POST /retrieve)."
     )
+    allow_offline_retriever: bool = Field(
+        False,
+        description="Start even when --retriever-url does not answer the start-up probe (searches then fail and are counted).",
+    )
     topk: int = Field(3, ge=1, le=50, description="Passages returned per search.")
     prompt_template: str = Field(
         "auto",
