@@ -140,7 +140,8 @@ def serve_retriever_cmd(
     """Serve a corpus with Search-R1's retrieval API: POST /retrieve {"queries", "topk", "return_scores"}.
     Stops on SIGTERM/SIGINT (waiting requests get 503)."""
     from treegrpo.retrieval.factory import build_local
-    from treegrpo.retrieval.server import Limits, is_loopback, serve
+    from treegrpo.retrieval.scheduler import Limits
+    from treegrpo.retrieval.server import is_loopback, serve
     from treegrpo.train.config import ConfigError
 
     def fail(msg: str) -> NoReturn:

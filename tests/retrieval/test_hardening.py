@@ -23,7 +23,8 @@ from treegrpo.retrieval import retrieval_error_warning
 from treegrpo.retrieval.base import Doc, Hit, RetrievalError
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.retrieval.client import HTTPRetriever
-from treegrpo.retrieval.server import LOOPBACK, Limits, ServerThread, chunk_spans, free_port, make_app
+from treegrpo.retrieval.scheduler import Limits, chunk_spans
+from treegrpo.retrieval.server import LOOPBACK, ServerThread, free_port, make_app
 from treegrpo.train.config import ConfigError
 
 DOCS = [
