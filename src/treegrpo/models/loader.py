@@ -10,8 +10,8 @@ pitfalls are handled (DESIGN.md §7).
 - Models load through ``AutoModelForCausalLM.from_pretrained`` with an explicit ``dtype`` and
   ``attn_implementation`` (``sdpa``: a custom 4D mask is accepted as bool or float).
 
-A model reference is a local folder today; :func:`resolve_model_ref` is where hub ids and GGUF
-files plug in.
+A model reference is a local folder, a ``.gguf`` file, a built-in name (``smollm2-135m``) or a hub
+id; :mod:`treegrpo.models.refs` resolves it to a local folder.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from treegrpo.errors import ConfigError
+from treegrpo.models import refs
+from treegrpo.models.refs import ModelLoadError
 
 # Loading/saving a 1M-parameter model needs no progress bars between our own progress lines.
 hf_logging.disable_progress_bar()
@@ -33,10 +34,6 @@ hf_logging.disable_progress_bar()
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 MARKER_FILE = "treegrpo_tiny.json"
-
-
-class ModelLoadError(ConfigError):
-    """A model reference that cannot be loaded; the message is one line naming the fix."""
 
 
 @dataclass
@@ -62,9 +59,10 @@ class LoadedModel:
 
 
 def resolve_model_ref(ref: str | Path) -> Path:
-    """The local folder of a model reference (today: a local causal-LM folder), checked so that a
-    broken folder is one clear error instead of a traceback from deep inside transformers."""
-    folder = Path(ref).expanduser()
+    """The local folder of a model reference (a folder, a ``.gguf`` file, a built-in name or a hub
+    id: :mod:`treegrpo.models.refs`), checked so that a broken folder is one clear error instead
+    of a traceback from deep inside transformers."""
+    folder = refs.resolve_model_ref(ref)
     check_model_folder(folder)
     return folder
 
