@@ -242,7 +242,7 @@ def test_resume_refuses_a_changed_field(
 ) -> None:
     before = _files(run_dir)
     with pytest.raises(
-        ConfigError, match=f"started with {field}=.*asks for {field}=.*--resume-override {field}"
+        ConfigError, match=f"was run with {field}=.*asks for {field}=.*--resume-override {field}"
     ):
         _resume(run_dir, tiny_model_dir, **{field: value})
     assert _files(run_dir) == before

@@ -394,7 +394,7 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
         was = ", ".join(f"{k}={changed[k][0]!r}" for k in refused)
         new = ", ".join(f"{k}={changed[k][1]!r}" for k in refused)
         raise ConfigError(
-            f"--resume: the run in {cfg.out_dir} was started with {was}, this one asks for {new}; "
+            f"--resume: the run in {cfg.out_dir} was run with {was}, this one asks for {new}; "
             f"keep the run's values, or pass --resume-override {','.join(refused)} to apply the new ones"
         )
     return merged, changed
