@@ -260,8 +260,14 @@ def test_an_overridden_lr_is_applied_and_recorded(run_dir: Path, tiny_model_dir:
     state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [1e-3]  # the optimizer ran with it
     assert state["config"]["lr"] == 1e-3
-    # and the next resume compares against the new value: no override needed to keep it
+    # the next resume compares against the new value: no override needed to keep it, one needed
+    # to change it again (an override is not carried over)
     _resume(run_dir, tiny_model_dir, steps=4, lr=1e-3)
+    with pytest.raises(ConfigError, match=r"lr=0\.001, this one asks for lr=0\.002"):
+        train(
+            make_config({"out_dir": str(run_dir), "resume": True, "steps": 5, "lr": 2e-3}),
+            parts=parts_for(tiny_model_dir),
+        )
 
 
 def test_an_overridden_seed_restarts_the_streams(run_dir: Path, tiny_model_dir: Path) -> None:

@@ -368,7 +368,8 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
     if unknown:
         raise ConfigError(f"resume_override: unknown config field(s) {', '.join(unknown)}")
     recorded_set = set(ck.config_set) & set(TrainConfig.model_fields)
-    base = {k: v for k, v in ck.config.items() if k in recorded_set}
+    per_call = {"resume", "resume_override"}  # an override holds for the resume that names it, not later ones
+    base = {k: v for k, v in ck.config.items() if k in recorded_set - per_call}
     explicit = cfg.model_dump(include=cfg.model_fields_set | {"out_dir"})
     try:
         merged = TrainConfig.model_validate({**base, **explicit})
