@@ -89,7 +89,8 @@ def train_cmd(
     lr: float | None = typer.Option(None, help="Learning rate."),
     seed: int | None = typer.Option(None, help="Run seed."),
     out_dir: str | None = typer.Option(None, help="Output folder (metrics, checkpoints, rollouts)."),
-    resume: bool = typer.Option(False, "--resume", help="Resume from OUT_DIR/checkpoint."),
+    resume: bool = typer.Option(False, "--resume", help="Resume from OUT_DIR/checkpoint (a finished run is left as it is; --steps may grow)."),
+    resume_override: str | None = typer.Option(None, "--resume-override", help="With --resume: comma-separated fields that may differ from the run's config (e.g. lr,seed); applied and recorded."),
     set_: list[str] = typer.Option([], "--set", help="Any other TrainConfig field: --set key=value (repeatable)."),
 ) -> None:
     """Train with Tree-GRPO (default) or chain GRPO. With no arguments: the tiny agent on the
@@ -104,6 +105,7 @@ def train_cmd(
         "preset": preset, "sampler": sampler, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
+        "resume_override": resume_override,
         "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
     }  # fmt: skip
     try:

@@ -1,13 +1,17 @@
-"""Small file helpers: atomic writes (nothing half-written survives an interrupted run)."""
+"""Small file helpers: atomic writes and durable appends (nothing half-written survives an
+interrupted run), file checksums."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -36,6 +40,43 @@ def _umask() -> int:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON, written atomically."""
+    atomic_write_text(path, json.dumps(data, indent=1))
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` + newline as one write, then fsync: after a kill the file ends either
+    before the line or after it, or (a kill inside the write itself) with a torn tail that has no
+    newline, which a reader can recognise and drop."""
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        view = memoryview(data)
+        while view:  # a regular file takes the whole write; loop for the rare short write
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def user_cache_dir() -> Path:

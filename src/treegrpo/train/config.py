@@ -153,7 +153,14 @@ class TrainConfig(BaseModel):
         40, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
     )
     out_dir: str = Field("runs/tree", description="Where metrics, checkpoints and rollouts go (default: runs/<sampler>).")
-    resume: bool = Field(False, description="Resume from out_dir/checkpoint if it exists.")
+    resume: bool = Field(
+        False,
+        description="Resume from out_dir/checkpoint (verified; falls back to checkpoint.prev); a finished run is left as it is.",
+    )
+    resume_override: list[str] = Field(
+        default_factory=list,
+        description="With --resume: config fields allowed to differ from the checkpoint's run (comma-separated, e.g. lr,seed); applied and recorded. steps may always grow.",
+    )
     seed: int = Field(0, description="Seed of the run (prompt order, tree picks, sampling).")
     device: str = Field("cpu", description="torch device.")
     threads: int = Field(
@@ -193,6 +200,11 @@ class TrainConfig(BaseModel):
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"{v!r}: MPS is not available on this machine; use device=cpu")
         return v
+
+    @field_validator("resume_override", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

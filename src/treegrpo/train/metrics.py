@@ -1,27 +1,40 @@
-"""Metrics: slash-namespaced keys to JSONL (and TensorBoard when installed)."""
+"""Metrics: slash-namespaced keys to JSONL (and TensorBoard when installed).
+
+``metrics.jsonl`` is an append log, one JSON object per line. Each line is appended with one write
+and an fsync (:func:`treegrpo.io.append_line`), so a run killed mid-write leaves at most a torn
+last line; resuming drops it (and any rows past the checkpoint's step) with a message.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from treegrpo.io import append_line, atomic_write_text
+
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl``; mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to ``metrics.jsonl``; mirrors scalars to TensorBoard.
 
-    def __init__(self, out_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    ``resume_step=None`` starts a new log; otherwise the log keeps the rows up to that step (what
+    the checkpoint had seen) and continues after them. ``say`` prints the messages about dropped rows.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        say: Callable[[str], Any] = print,
+    ) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():  # keep only what the checkpoint had seen
-            kept = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(k + "\n" for k in kept))
+            atomic_write_text(self.path, "")
+        elif self.path.exists():
+            atomic_write_text(self.path, "".join(ln + "\n" for ln in keep_rows(self.path, resume_step, say)))
         self.tb = None
         if tensorboard:
             try:
@@ -33,8 +46,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        append_line(self.path, json.dumps(row))
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -43,3 +55,29 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def keep_rows(path: Path, up_to_step: int, say: Callable[[str], Any] = print) -> list[str]:
+    """The lines of a metrics log whose row has ``step <= up_to_step``, as written. A line that is
+    not a JSON object (a torn write) is dropped with a message saying where it was."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept: list[str] = []
+    dropped_later = 0
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            where = "its torn last line" if i == len(lines) - 1 else f"unreadable line {i + 1}"
+            say(f"{path}: dropped {where} (a run killed mid-write)")
+            continue
+        if row.get("step", 0) <= up_to_step:
+            kept.append(ln)
+        else:
+            dropped_later += 1
+    if dropped_later:
+        say(f"{path}: dropped {dropped_later} row(s) after step {up_to_step}, the checkpoint's step")
+    return kept

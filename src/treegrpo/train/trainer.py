@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +19,20 @@ from rich.console import Console
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
 from treegrpo.algos.losses import LossConfig
+from treegrpo.io import atomic_write_json
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.hf_engine import HFEngine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
-from treegrpo.train.checkpoint import find_checkpoint, load_state, save_checkpoint
+from treegrpo.train.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpoint,
+    RunState,
+    open_checkpoint,
+    remove_stale_temps,
+    restore,
+    resume_config,
+    save_run,
+)
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
@@ -64,6 +73,28 @@ class TrainSummary:
         d["tool_calls_per_trajectory"] = self.tool_calls_per_trajectory
         return d
 
+    @classmethod
+    def of_run(cls, out_dir: Path, steps: int, run: RunState) -> TrainSummary:
+        return cls(
+            out_dir=str(out_dir),
+            steps=steps,
+            eval_start=run.eval_start,
+            eval_end=run.last_eval,
+            wall_s=run.wall_s,
+            em_curve=run.em_curve,
+            **run.totals,
+            **run.times,
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> TrainSummary | None:
+        """A written ``summary.json``, or None when it is missing or unreadable."""
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
 
 def train(
     cfg: TrainConfig,
@@ -76,12 +107,17 @@ def train(
     (evaluation is deterministic, so runs from one model can share it)."""
     console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = out / "checkpoint"
-    resume_from = find_checkpoint(ckpt_dir) if cfg.resume else None
+    remove_stale_temps(out)
+    resume_from = open_checkpoint(out, console.print) if cfg.resume else None
+    changed: dict[str, tuple[Any, Any]] = {}  # config fields a resume overrides
+    if resume_from is not None:  # the recorded config, with what this call sets explicitly on top
+        cfg, changed = resume_config(resume_from, cfg)
+        if resume_from.step >= cfg.steps:
+            return _finished(out, cfg, resume_from, console)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
 
     # -- the pieces ------------------------------------------------------------------------------
     parts = parts or build_run(cfg)
@@ -106,36 +142,28 @@ def train(
         agg_mode=cfg.agg_mode,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rng = random.Random(cfg.seed)  # prompt order: the same for every sampler at one seed (paired runs)
-    pick_rng = random.Random(f"picks-{cfg.seed}")  # tree picks, apart so they cannot shift the prompts
-    gen = torch.Generator().manual_seed(cfg.seed)  # rollout sampling
-    totals = {"trajectories": 0, "generated_tokens": 0, "prefill_tokens": 0, "tool_calls": 0}
-    times = {"rollout_s": 0.0, "update_s": 0.0}
-    start_step, em_curve = 0, []
-    eval_start = dict(eval_start or {})
-    if resume_from is not None:
-        state = load_state(resume_from)
-        model.load_state_dict(_load_weights(resume_from, model))
-        optimizer.load_state_dict(state["optimizer"])
-        rng.setstate(state["rng"])
-        if "pick_rng" in state:
-            pick_rng.setstate(state["pick_rng"])
-        gen.set_state(state["gen"])
-        start_step, totals, times = state["step"], state["totals"], state["times"]
-        eval_start, em_curve = state["eval_start"], state["em_curve"]
-        console.print(f"[bold]resumed[/] from {resume_from} at step {start_step}")
-    logger = MetricsLogger(out, cfg.tensorboard, resume_step=start_step if resume_from else None)
-    (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
+    if resume_from is None:
+        run = RunState.fresh(cfg.seed, eval_start)  # prompt order, tree picks and sampling streams
+    else:
+        run = restore(resume_from, model, optimizer, cfg, changed)  # applies overridden lr/seed
+        for k, (old, new) in changed.items():
+            console.print(f"resume: {k} changed from {old!r} to {new!r} (--resume-override)")
+        console.print(f"[bold]resumed[/] from {resume_from.folder} at step {run.step}")
+    wall_before = run.wall_s  # earlier sessions of this run
+    logger = MetricsLogger(
+        out, cfg.tensorboard, resume_step=run.step if resume_from else None, say=console.print
+    )
+    atomic_write_json(out / "config.json", cfg.model_dump())
     console.print(
         f"[bold]treegrpo[/] {cfg.sampler} {run_shape(cfg)} · advantage {estimator} · model {parts.model_dir} · "
         f"{len(parts.train_tasks)} train / {len(parts.eval_tasks)} eval questions · {cfg.steps} steps"
     )
     if resume_from is None:
-        eval_start = eval_start or evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
-        em_curve.append([0, headline(eval_start)])
-        logger.log(start_step, eval_start)
-        console.print(f"step {start_step:4d} · held-out success {fmt_eval(eval_start)}")
-    last_eval = eval_start
+        run.eval_start = run.eval_start or evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+        run.last_eval = run.eval_start
+        run.em_curve.append([0, headline(run.eval_start)])
+        logger.log(0, run.eval_start)
+        console.print(f"step {0:4d} · held-out success {fmt_eval(run.eval_start)}")
 
     # -- the loop --------------------------------------------------------------------------------
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -149,13 +177,13 @@ def train(
         transient=True,
     )
     with progress:
-        bar = progress.add_task("train", total=cfg.steps, completed=start_step)
-        for step in range(start_step + 1, cfg.steps + 1):
+        bar = progress.add_task("train", total=cfg.steps, completed=run.step)
+        for step in range(run.step + 1, cfg.steps + 1):
             # 1. rollout: one batch of prompts, grown into forests by the sampler
-            tasks = rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
+            tasks = run.rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
             t0 = time.perf_counter()
             engine.load_weights(model)
-            result: RolloutResult = sampler(runner, tasks, sampler_cfg, pick_rng, gen)
+            result: RolloutResult = sampler(runner, tasks, sampler_cfg, run.pick_rng, run.gen)
             t1 = time.perf_counter()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = [token_advantages(f, estimator, adv_cfg) for f in result.forests]
@@ -173,25 +201,19 @@ def train(
                 console.print,
             )
             t2 = time.perf_counter()
-            times["rollout_s"] += t1 - t0
-            times["update_s"] += t2 - t1
             # 4. bookkeeping: metrics, evaluation, rollouts, checkpoint
             budget = result.total()
-            totals["trajectories"] += n_traj
-            totals["generated_tokens"] += budget.generated_tokens
-            totals["prefill_tokens"] += budget.prefill_tokens
-            totals["tool_calls"] += budget.tool_calls
+            run.step = step
+            run.account(
+                n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, t1 - t0, t2 - t1
+            )
             metrics.update(rollout_metrics(result, n_traj))
-            metrics.update({f"budget/total_{k}": v for k, v in totals.items()})
+            metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
             metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-                last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
-                metrics.update(last_eval)
-                em_curve.append([totals["generated_tokens"], headline(last_eval)])
-            if step == cfg.steps:
-                last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
-                metrics.update(last_eval)
-                em_curve.append([totals["generated_tokens"], headline(last_eval)])
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                run.last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+                metrics.update(run.last_eval)
+                run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval)])
             logger.log(step, metrics)
             if cfg.dump_rollouts_every and (step % cfg.dump_rollouts_every == 0 or step == cfg.steps):
                 for f in result.forests:
@@ -199,32 +221,26 @@ def train(
                 write_forests(result.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
             console.print(step_line(step, metrics))
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-                state = {
-                    "step": step,
-                    "optimizer": optimizer.state_dict(),
-                    "rng": rng.getstate(),
-                    "pick_rng": pick_rng.getstate(),
-                    "gen": gen.get_state(),
-                    "totals": totals,
-                    "times": times,
-                    "eval_start": eval_start,
-                    "em_curve": em_curve,
-                    "config": cfg.model_dump(),
-                }
-                save_checkpoint(ckpt_dir, model, tok, state, parts.extra_files)
+                run.wall_s = wall_before + time.perf_counter() - t_start
+                save_run(out / CHECKPOINT_DIR, run, model, tok, optimizer, cfg, parts.extra_files)
             progress.advance(bar)
     logger.close()
-    summary = TrainSummary(
-        out_dir=str(out),
-        steps=cfg.steps,
-        eval_start=eval_start,
-        eval_end=last_eval,
-        wall_s=time.perf_counter() - t_start,
-        em_curve=em_curve,
-        **totals,
-        **times,
+    run.wall_s = wall_before + time.perf_counter() - t_start
+    summary = TrainSummary.of_run(out, cfg.steps, run)
+    atomic_write_json(out / "summary.json", summary.to_dict())
+    return summary
+
+
+def _finished(out: Path, cfg: TrainConfig, ck: Checkpoint, console: Console) -> TrainSummary:
+    """Resuming a finished run changes nothing: its summary as written (rewritten from the
+    checkpoint only if the run was killed before writing it)."""
+    console.print(
+        f"{out} is finished (step {ck.step} of {cfg.steps}); nothing to do — give a larger --steps to extend it"
     )
-    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=1))
+    summary = TrainSummary.read(out / "summary.json")
+    if summary is None:
+        summary = TrainSummary.of_run(out, cfg.steps, ck.run)
+        atomic_write_json(out / "summary.json", summary.to_dict())
     return summary
 
 
@@ -234,12 +250,6 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
-
-
-def _load_weights(folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from treegrpo.models.loader import load_model
-
-    return load_model(folder).state_dict()
 
 
 
