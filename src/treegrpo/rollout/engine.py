@@ -46,7 +46,9 @@ class SamplingParams:
         stop_token_ids: ids that end a step (included in the output), e.g. a single-token
             ``</search>``. EOS is always a stop.
         stop_strings: strings that end a step once the decoded *generated* text contains one; the
-            token that completes the string is the last one returned (it is never cut).
+            token that completes the string is the last one returned (it is never cut). A tag that
+            is also a stop id belongs here too: a model can spell a single-token tag with several
+            ordinary ids, which only the string check catches (the agent passes both).
         return_entropy: also return the full-distribution entropy at each sampled position.
     """
 
