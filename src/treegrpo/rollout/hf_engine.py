@@ -5,10 +5,11 @@ One :meth:`HFEngine.generate` call runs all contexts as one batch (chunked by
 ``max_batch_size``): a prefill over the contexts' uncached suffixes, then an incremental decode
 loop, one forward per step for the whole batch. Rows that finish are dropped from the batch (and
 from the KV cache), and the loop ends as soon as every row has finished; the decode step itself
-has no per-row Python loop. The pieces live in three modules:
+has no per-row Python loop. The pieces live in four modules:
 
-* this one: the engine — requests, the decode loop (sampling, stop checks), the prefix store's
-  lifetime;
+* this one: the engine — requests, the decode loop, the prefix store's lifetime;
+* :mod:`treegrpo.rollout.hf_decode`: drawing a token (temperature, top-p), EOS / pad ids, the
+  stop-string check;
 * :mod:`treegrpo.rollout.hf_prefill`: the model call (explicit ``cumsum`` position ids, so a
   padded row sees exactly the positions it would see alone), prefill in length buckets, and
   prefixes shared within one call;
@@ -68,67 +69,25 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from treegrpo.rollout.engine import FinishReason, Generation, SamplingParams
+from treegrpo.rollout.engine import Generation, SamplingParams
 from treegrpo.rollout.hf_cache import DECODE_ROOM, row_kv, supports_prefix_reuse
+from treegrpo.rollout.hf_decode import (
+    EOS,
+    LENGTH,
+    REASONS,
+    RUNNING,
+    STOP,
+    check_stop_strings,
+    eos_ids,
+    pad_id,
+    sample,
+)
 from treegrpo.rollout.hf_prefill import HFForward, bucketed_prefill, share_prefixes
 from treegrpo.rollout.prefix_cache import PrefixCache
 
 __all__ = ["HFEngine"]
 
-# Finish-reason codes used on tensors inside the decode loop.
-_RUNNING, _STOP, _EOS, _LENGTH = 0, 1, 2, 3
-_REASONS: dict[int, FinishReason] = {_STOP: "stop", _EOS: "eos", _LENGTH: "length"}
-
 Tokens = tuple[int, ...]
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any | None) -> list[int]:
-    """All end-of-sequence ids: the tokenizer's EOS plus the generation config's (int or list)."""
-    ids: list[int] = []
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    gen_cfg = getattr(model, "generation_config", None)
-    extra = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-    if extra is None:
-        extra = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if isinstance(extra, int):
-        extra = [extra]
-    for i in extra or []:
-        if int(i) not in ids:
-            ids.append(int(i))
-    return ids
-
-
-def _pad_id(model: torch.nn.Module, tokenizer: Any | None, eos_ids: Sequence[int]) -> int:
-    """The pad id: the tokenizer's, else the model config's, else the first EOS, else 0."""
-    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
-        return int(tokenizer.pad_token_id)
-    cfg_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    if cfg_pad is not None:
-        return int(cfg_pad)
-    return int(eos_ids[0]) if eos_ids else 0
-
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Draw one token per row of float32 ``logits`` ``(B, V)``: greedy at temperature 0, else
-    temperature-scaled, nucleus-filtered multinomial sampling with ``generator``."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        cum = sorted_probs.cumsum(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top one is kept).
-        sorted_probs = sorted_probs.masked_fill(cum - sorted_probs >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
-    if generator is not None and generator.device != probs.device:
-        # A generator lives on one device: draw there so its stream is the one advanced.
-        return (
-            torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-        )
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def _weights_key(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
@@ -188,9 +147,9 @@ class HFEngine:
         if first is not None and first.device != self.device:
             model.to(self.device)
         self.model = model
-        self.eos_ids = _eos_ids(model, self.tokenizer)
+        self.eos_ids = eos_ids(model, self.tokenizer)
         self.eos_token_id: int | None = self.eos_ids[0] if self.eos_ids else None
-        self.pad_token_id = _pad_id(model, self.tokenizer, self.eos_ids)
+        self.pad_token_id = pad_id(model, self.tokenizer, self.eos_ids)
         self._fwd = HFForward.of(model, self.pad_token_id, self.device)
         self.max_positions: int | None = getattr(
             getattr(model, "config", None), "max_position_embeddings", None
@@ -338,7 +297,7 @@ class HFEngine:
             torch.zeros((b, max_new), dtype=torch.float32, device=device) if params.return_entropy else None
         )
         out_len = torch.full((b,), max_new, dtype=torch.long, device=device)
-        out_reason = torch.full((b,), _LENGTH, dtype=torch.long, device=device)
+        out_reason = torch.full((b,), LENGTH, dtype=torch.long, device=device)
 
         eos_t = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         stop_t = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
@@ -347,7 +306,7 @@ class HFEngine:
 
         rows = torch.arange(b, device=device)  # batch row -> original index in this chunk
         for t in range(max_new):
-            tok = _sample(logits, params.temperature, params.top_p, generator)
+            tok = sample(logits, params.temperature, params.top_p, generator)
             logp_all = torch.log_softmax(logits, dim=-1)
             out_tokens[rows, t] = tok
             out_logp[rows, t] = logp_all.gather(-1, tok[:, None]).squeeze(-1)
@@ -358,13 +317,13 @@ class HFEngine:
             # Vectorised stop checks: EOS first, then the explicit stop ids.
             reason = torch.zeros_like(tok)
             if stop_t.numel():
-                reason = torch.where(torch.isin(tok, stop_t), _STOP, reason)
+                reason = torch.where(torch.isin(tok, stop_t), STOP, reason)
             if eos_t.numel():
-                reason = torch.where(torch.isin(tok, eos_t), _EOS, reason)
-            done = reason != _RUNNING
+                reason = torch.where(torch.isin(tok, eos_t), EOS, reason)
+            done = reason != RUNNING
             if stop_strings:
-                done, reason = self._check_stop_strings(
-                    out_tokens, rows, t, window, stop_strings, done, reason
+                done, reason = check_stop_strings(
+                    self.tokenizer, out_tokens, rows, t, window, stop_strings, done, reason
                 )
 
             if t == max_new - 1:
@@ -396,7 +355,7 @@ class HFEngine:
             Generation(
                 tokens=tokens_l[r][: len_l[r]],
                 logprobs=logp_l[r][: len_l[r]],
-                finish_reason=_REASONS[reason_l[r]],
+                finish_reason=REASONS[reason_l[r]],
                 prefill_tokens=prefill_tokens[r],
                 entropies=ent_l[r][: len_l[r]] if ent_l is not None else None,
                 extra={"cached_tokens": float(cached[r])},
@@ -420,36 +379,3 @@ class HFEngine:
             r = int(rows[bi])
             seq = contexts[r] + tuple(out_tokens[r, :t].tolist())
             self.prefix_cache.insert(seq, row_kv(cache, mask, bi))
-
-    def _check_stop_strings(
-        self,
-        out_tokens: torch.Tensor,
-        rows: torch.Tensor,
-        t: int,
-        window: int,
-        stop_strings: tuple[str, ...],
-        done: torch.Tensor,
-        reason: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mark rows whose decoded generated tail now contains a stop string (still-running rows only).
-
-        A stop string is caught on the step whose token completes it, so that token is the last one
-        returned; tokens are never cut. Only a tail window of ``window`` tokens is decoded.
-        """
-        running = (~done).nonzero().squeeze(-1)
-        if running.numel() == 0:
-            return done, reason
-        start = max(0, t + 1 - window)
-        tails = out_tokens[rows[running], start : t + 1].tolist()
-        texts = self.tokenizer.batch_decode(
-            tails, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        hit = [i for i, text in enumerate(texts) if any(s in text for s in stop_strings)]
-        if not hit:
-            return done, reason
-        idx = running[torch.tensor(hit, dtype=torch.long, device=running.device)]
-        done = done.clone()
-        reason = reason.clone()
-        done[idx] = True
-        reason[idx] = _STOP
-        return done, reason
