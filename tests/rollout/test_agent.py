@@ -51,7 +51,8 @@ def test_stop_tags_become_stop_ids_when_single_tokens(tok) -> None:
     runner, _ = make_runner(tok, two_step_policy)
     assert tok.convert_tokens_to_ids("</search>") in runner.params.stop_token_ids
     assert tok.convert_tokens_to_ids("</answer>") in runner.params.stop_token_ids
-    assert runner.params.stop_strings == ()
+    # ... and stay stop strings: a multi-id spelling of the tag must stop too (test_stop_tags.py).
+    assert runner.params.stop_strings == ("</search>", "</answer>")
 
 
 def test_chain_tokens_in_tokens_out_and_masks(tok) -> None:

@@ -10,7 +10,9 @@ import torch
 
 from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams
-from treegrpo.rollout.hf_engine import HFEngine, _growing_cache, _GrowingLayer, _length_buckets
+from treegrpo.rollout.hf_cache import GrowingLayer, growing_cache
+from treegrpo.rollout.hf_engine import HFEngine
+from treegrpo.rollout.hf_prefill import length_buckets
 
 PROMPT = "Question: what is the capital of france? <think> I should search. </think><search>"
 # The overfit target: the prompt, then a search query made of several BPE pieces, then the tag.
@@ -123,7 +125,7 @@ def test_one_batched_forward_per_decode_step(engine: HFEngine, tokenizer) -> Non
     its real tokens); then every decode step is ONE forward for the whole batch, rows in order."""
     lengths = [4, 19, 1, 11]
     contexts = _contexts(tokenizer, lengths)
-    buckets = _length_buckets(lengths)
+    buckets = length_buckets(lengths)
     assert len(buckets) == 2  # [19, 11, 4] and [1]: the merge path is exercised
     calls: list[tuple[int, int, list[list[int]]]] = []
 
@@ -155,7 +157,7 @@ def test_growing_layer_writes_in_place_and_grows() -> None:
     the positions written, in order."""
     gen = torch.Generator().manual_seed(0)
     k0, v0 = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, 4, generator=gen)
-    layer = _GrowingLayer(room=2)
+    layer = GrowingLayer(room=2)
     keys, values = layer.update(k0, v0)
     assert torch.equal(keys, k0) and torch.equal(values, v0) and layer.get_seq_length() == 5
     buf = layer._key_buf.data_ptr()
@@ -181,7 +183,7 @@ def test_growing_cache_over_given_buffers(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
     n_layers = model.config.num_hidden_layers
     bufs = [(torch.ones(2, 1, 7, 3), torch.ones(2, 1, 7, 3)) for _ in range(n_layers)]
-    cache = _growing_cache(model.config, room=0, kv=bufs, filled=4)
+    cache = growing_cache(model.config, room=0, kv=bufs, filled=4)
     assert cache.get_seq_length() == 4 and len(cache.layers) == n_layers
     keys, _ = cache.update(torch.zeros(2, 1, 3, 3), torch.zeros(2, 1, 3, 3), layer_idx=0)
     assert keys.shape == (2, 1, 7, 3) and keys.data_ptr() == bufs[0][0].data_ptr()
@@ -207,16 +209,16 @@ def test_decode_steps_do_not_copy_the_cache(engine: HFEngine, tokenizer) -> None
 
 
 def test_length_buckets_bound_padding() -> None:
-    assert _length_buckets([]) == []
-    assert _length_buckets([7]) == [[0]]
-    assert _length_buckets([1] * 5) == [[0, 1, 2, 3, 4]]
+    assert length_buckets([]) == []
+    assert length_buckets([7]) == [[0]]
+    assert length_buckets([1] * 5) == [[0, 1, 2, 3, 4]]
     # Cached rows (1-token suffixes) do not pad up to the long uncached ones.
-    assert _length_buckets([1, 100, 1, 96, 1]) == [[1, 3], [0, 2, 4]]
+    assert length_buckets([1, 100, 1, 96, 1]) == [[1, 3], [0, 2, 4]]
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         n = int(torch.randint(1, 40, (1,), generator=gen))
         lengths = torch.randint(1, 200, (n,), generator=gen).tolist()
-        buckets = _length_buckets(lengths)
+        buckets = length_buckets(lengths)
         assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
         for b in buckets:
             real = sum(lengths[i] for i in b)
@@ -236,7 +238,7 @@ def test_bucketed_prefill_mixed_cached_rows_match_recompute(tiny_model_dir: Path
     gens = eng.generate(contexts, params, generator=torch.Generator().manual_seed(2))
     assert [g.prefill_tokens for g in gens[:2]] == [1, 1]
     assert [g.prefill_tokens for g in gens[2:]] == [40, 27]
-    assert len(_length_buckets([g.prefill_tokens for g in gens])) == 2
+    assert len(length_buckets([g.prefill_tokens for g in gens])) == 2
     for ctx, g in zip(contexts, gens, strict=True):
         lp, _ = _reference(eng.model, ctx, g.tokens)
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(lp), atol=1e-5, rtol=0)
@@ -343,8 +345,9 @@ def test_load_weights_shares_the_module(engine: HFEngine, tokenizer) -> None:
     assert eng.model is other
 
 
-def test_from_pretrained(tiny_model_dir: Path) -> None:
-    eng = HFEngine.from_pretrained(tiny_model_dir, max_batch_size=4)
+def test_from_a_model_folder(tiny_model_dir: Path) -> None:
+    """The engine on a folder's model and tokenizer (loading is the caller's job: ``models.tiny``)."""
+    eng = HFEngine(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), max_batch_size=4)
     g = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0))[0]
     assert len(g.tokens) <= 4 and g.prefill_tokens == 3
     assert next(eng.model.parameters()).dtype == torch.float32

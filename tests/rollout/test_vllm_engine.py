@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+import treegrpo.rollout.vllm_engine as vllm_engine_mod
 from treegrpo.models.loader import load_model, load_tokenizer
-from treegrpo.rollout.engine import Engine, SamplingParams
+from treegrpo.rollout.engine import Engine, SamplingParams, make_engine
 from treegrpo.rollout.vllm_engine import INSTALL_HINT, VLLMEngine, vllm_available
 
 # ---------------------------------------------------------------------------------- stand-ins
@@ -326,6 +327,57 @@ def test_weight_sync_without_collective_rpc(tiny_model_dir: Path) -> None:
     assert len(model_v0.loaded) == 1 and eng.max_model_len == 32
 
 
+# ---------------------------------------------------------------------------------- make_engine("vllm")
+
+
+def test_make_engine_wraps_a_ready_llm(llm: FakeLLM) -> None:
+    tok = types.SimpleNamespace(eos_token_id=llm.eos_id)
+    eng = make_engine("vllm", llm, tok, device="cuda", vllm_module=fake_vllm(), sync_chunk_mb=1.0)
+    assert isinstance(eng, VLLMEngine) and eng.llm is llm and eng.tokenizer is tok
+    assert eng.sync_chunk_bytes == 2**20
+    g = eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=5))[0]
+    assert g.tokens == [11, 12, 7] and g.finish_reason == "stop"
+
+
+def test_make_engine_from_a_trainer_model_builds_on_its_folder_and_pushes_its_weights(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded transformers model: vLLM is built from the folder it came from, then given the
+    module's current weights (so a trainer that changed them is served exactly)."""
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    llm = FakeLLM()
+    built: list[tuple[Any, dict[str, Any]]] = []
+
+    def from_pretrained(folder, **kwargs):
+        built.append((folder, kwargs))
+        return VLLMEngine(llm, kwargs["tokenizer"], vllm_module=fake_vllm())
+
+    monkeypatch.setattr(vllm_engine_mod, "_import_vllm", fake_vllm)
+    monkeypatch.setattr(VLLMEngine, "from_pretrained", staticmethod(from_pretrained))
+    eng = make_engine("vllm", model, tok, device="cuda", gpu_memory_utilization=0.3)
+    ((folder, kwargs),) = built
+    assert Path(folder) == Path(tiny_model_dir)
+    assert kwargs == {"tokenizer": tok, "gpu_memory_utilization": 0.3}
+    assert eng.tokenizer is tok and llm.events == ["rpc", "reset"]
+    assert [n for n, _ in llm.model.loaded[0]] == list(model.state_dict())
+    make_engine("vllm", str(tiny_model_dir), tok, device="cuda")  # a folder goes straight in
+    assert built[1] == (str(tiny_model_dir), {"tokenizer": tok})
+
+
+def test_make_engine_vllm_refuses_what_it_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_engine_mod, "_import_vllm", fake_vllm)
+    with pytest.raises(ValueError, match="CUDA GPU, not device=cpu"):
+        make_engine("vllm", "some/folder", None, device="cpu")
+    with pytest.raises(ValueError, match="no name_or_path"):
+        make_engine("vllm", torch.nn.Linear(2, 2), None, device="cuda")
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
+def test_make_engine_vllm_without_vllm(llm: FakeLLM) -> None:
+    with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'"):
+        make_engine("vllm", llm, None, device="cuda")
+
+
 # ---------------------------------------------------------------------------------- real vLLM on GPU
 
 TEXT = "Question: what is the capital of france? <think> I should search. </think><search> capital of france"
@@ -365,7 +417,7 @@ def test_real_vllm_engine(tmp_path: Path) -> None:  # pragma: no cover - GPU onl
     folder = _gpu_model_folder(tmp_path)
     tok = load_tokenizer(folder)
     eng = VLLMEngine.from_pretrained(
-        folder, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512, enforce_eager=True
+        folder, tokenizer=tok, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512, enforce_eager=True
     )
     hf = load_model(folder).cuda().eval()
     prompt = tok.encode(TEXT)

@@ -293,10 +293,11 @@ def run_once(
     max_batch_size: int | None = None,
 ) -> Measurement:
     """Roll out ``spec`` on ``tasks`` with a fresh engine (prefix reuse ``reuse``) and fixed seed."""
-    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.engine import make_engine
 
     engine = RecordingEngine(
-        HFEngine(
+        make_engine(
+            "hf",
             agent.model,
             agent.tokenizer,
             max_batch_size=max_batch_size,

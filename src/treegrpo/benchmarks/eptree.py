@@ -128,14 +128,14 @@ def sampling_rows(
     """One row per (method, seed): the sampling comparison (module docstring)."""
     from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.agent import StepRunner
-    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.engine import make_engine
     from treegrpo.rollout.samplers import get_sampler
     from treegrpo.tasks.arith.bootstrap import load_arith_setup
 
     setup = load_arith_setup(model_dir)
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
     model.eval()
-    runner = StepRunner(HFEngine(model, tok), setup.env, tok, setup.agent)
+    runner = StepRunner(make_engine("hf", model, tok), setup.env, tok, setup.agent)
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         tasks = random.Random(f"bench-eptree-{seed}").sample(setup.problems.tasks("train"), n_prompts)

@@ -188,14 +188,14 @@ def _parts(cfg: Any) -> Any:
 def start_eval(regime: Regime, model_dir: Path, world_seed: int) -> dict[str, float]:
     """The starting policy's held-out evaluation (deterministic: every run of the world shares it)."""
     from treegrpo.rollout.agent import StepRunner
-    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.engine import make_engine
     from treegrpo.train.config import make_config
     from treegrpo.train.evaluate import evaluate
 
     cfg = make_config(_base_config(regime, model_dir, world_seed, "unused"))
     parts = _parts(cfg)
     runner = StepRunner(
-        HFEngine(parts.model, parts.tokenizer, device=cfg.device), parts.env, parts.tokenizer, parts.agent_cfg
+        make_engine("hf", parts.model, parts.tokenizer, device=cfg.device), parts.env, parts.tokenizer, parts.agent_cfg
     )
     return evaluate(runner, parts.eval_tasks, sampled=True)
 

@@ -73,14 +73,14 @@ def rollout_forests(
     ``prompts`` training questions of its world; returns them with the model and the pad id."""
     from treegrpo.models.loader import load_model, load_tokenizer
     from treegrpo.rollout.agent import StepRunner
-    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.engine import make_engine
     from treegrpo.rollout.samplers import SamplerConfig, get_sampler
     from treegrpo.tasks.world.bootstrap import load_setup
 
     setup = load_setup(model_dir)
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
     model.eval()
-    runner = StepRunner(HFEngine(model, tok), setup.env, tok, setup.agent)
+    runner = StepRunner(make_engine("hf", model, tok), setup.env, tok, setup.agent)
     rng = random.Random(seed)
     tasks = rng.sample(setup.world.tasks("train"), prompts)
     m, n, l = shape

@@ -120,8 +120,8 @@ class StepRunner:
             ids = self.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1:
                 stop_ids.append(ids[0])
-            else:
-                stop_strings.append(s)
+            # Always the string too: the model may spell a single-token tag with several ids.
+            stop_strings.append(s)
         self.params = SamplingParams(
             max_new_tokens=self.cfg.max_step_tokens,
             temperature=self.cfg.temperature,

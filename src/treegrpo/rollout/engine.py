@@ -5,16 +5,32 @@ condition (an action end tag, EOS, or ``max_new_tokens``) and returns exactly th
 never decoded and re-encoded (DESIGN.md §3.1) and never past the stop (DESIGN.md §3.2).
 
 Engines: :mod:`treegrpo.rollout.hf_engine` (transformers, CPU/GPU) and
-:mod:`treegrpo.rollout.vllm_engine` (optional, GPU).
+:mod:`treegrpo.rollout.vllm_engine` (optional, GPU). Callers above ``rollout/`` get one through
+:func:`make_engine`, keyed by an engine name (:data:`ENGINE_NAMES`), and never import an engine
+class themselves. The registry names each engine's constructor as ``"module:attribute"`` and
+imports it only when that engine is made, so this module depends on no engine (and vLLM is never
+imported unless ``"vllm"`` is asked for).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+
+__all__ = [
+    "ENGINE_NAMES",
+    "Engine",
+    "FinishReason",
+    "Generation",
+    "SamplingParams",
+    "UnknownEngineError",
+    "make_engine",
+    "release_engine_cache",
+]
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -30,7 +46,9 @@ class SamplingParams:
         stop_token_ids: ids that end a step (included in the output), e.g. a single-token
             ``</search>``. EOS is always a stop.
         stop_strings: strings that end a step once the decoded *generated* text contains one; the
-            token that completes the string is the last one returned (it is never cut).
+            token that completes the string is the last one returned (it is never cut). A tag that
+            is also a stop id belongs here too: a model can spell a single-token tag with several
+            ordinary ids, which only the string check catches (the agent passes both).
         return_entropy: also return the full-distribution entropy at each sampled position.
     """
 
@@ -98,3 +116,42 @@ def release_engine_cache(engine: object) -> None:
     release = getattr(engine, "release_cache", None)
     if callable(release):
         release()
+
+
+# The engine registry: name -> "module:attribute" of a constructor called as
+# ``ctor(model, tokenizer, device=device, **options)``, imported only when that engine is made.
+_ENGINES: dict[str, str] = {
+    "hf": "treegrpo.rollout.hf_engine:HFEngine",
+    "vllm": "treegrpo.rollout.vllm_engine:make_vllm_engine",
+}
+
+#: The engine names :func:`make_engine` accepts.
+ENGINE_NAMES: tuple[str, ...] = tuple(_ENGINES)
+
+
+class UnknownEngineError(ValueError):
+    """:func:`make_engine` got an engine name that is not registered."""
+
+
+def make_engine(
+    name: str, model: Any, tokenizer: Any | None, *, device: str | torch.device = "cpu", **options: Any
+) -> Engine:
+    """The engine called ``name``, sampling from ``model`` (tokenized by ``tokenizer``).
+
+    * ``"hf"`` — :class:`~treegrpo.rollout.hf_engine.HFEngine` on ``device``; ``model`` is a loaded
+      ``transformers`` causal LM (shared with the trainer, not copied). Options:
+      ``max_batch_size``, ``prefix_reuse``, ``prefix_cache_mb``.
+    * ``"vllm"`` — :func:`~treegrpo.rollout.vllm_engine.make_vllm_engine` (needs the ``vllm`` extra;
+      without it, an ``ImportError`` naming the install command). ``model`` is a model folder, a
+      loaded ``transformers`` model (vLLM is built from its folder, then given its current
+      weights), or a ready ``vllm.LLM``; options go to ``VLLMEngine.from_pretrained``.
+
+    Raises:
+        UnknownEngineError: ``name`` is not one of :data:`ENGINE_NAMES`.
+    """
+    target = _ENGINES.get(name)
+    if target is None:
+        raise UnknownEngineError(f"unknown engine {name!r}: choose one of {', '.join(ENGINE_NAMES)}")
+    module, attr = target.split(":")
+    ctor = getattr(importlib.import_module(module), attr)
+    return ctor(model, tokenizer, device=device, **options)

@@ -57,7 +57,7 @@ import torch
 
 from treegrpo.rollout.engine import FinishReason, Generation, SamplingParams
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "vllm_available"]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "make_vllm_engine", "vllm_available"]
 
 INSTALL_HINT = "pip install 'treegrpo[vllm]'"
 
@@ -152,6 +152,7 @@ class VLLMEngine:
         cls,
         folder: str | Path,
         *,
+        tokenizer: Any | None = None,
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.4,
         max_model_len: int | None = None,
@@ -162,6 +163,9 @@ class VLLMEngine:
     ) -> VLLMEngine:
         """Build a ``vllm.LLM`` on a local model folder with prefix caching on.
 
+        ``tokenizer`` gives the EOS id and the ids of the stop strings' tokens; pass the one the
+        trainer uses (e.g. :func:`treegrpo.models.tiny.load_tokenizer` of the folder, exact for
+        locally trained tokenizers). Without it, vLLM's own tokenizer of the folder is used.
         ``in_process=True`` runs vLLM's engine core in this process
         (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set only if not already set) so weight sync passes
         tensors by reference; ``gpu_memory_utilization`` leaves room for a trainer on the same
@@ -190,13 +194,6 @@ class VLLMEngine:
             kwargs["logprobs_mode"] = "raw_logprobs"
         kwargs.update(llm_kwargs)
         llm = vllm.LLM(**kwargs)
-        tokenizer = None
-        try:  # the library's own tokenizer loader (exact ids for locally trained tokenizers)
-            from treegrpo.models.loader import load_tokenizer
-
-            tokenizer = load_tokenizer(folder)
-        except Exception:  # pragma: no cover - fall back to vLLM's
-            tokenizer = None
         return cls(
             llm, tokenizer, max_model_len=max_model_len, cpu_weight_sync=not in_process, vllm_module=vllm
         )
@@ -332,3 +329,45 @@ class VLLMEngine:
         # vLLM V0 (no collective_rpc): the driver worker's model, in this process.
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
         model.load_weights(weights=weights)
+
+
+def make_vllm_engine(
+    model: Any, tokenizer: Any | None = None, *, device: str | torch.device = "cuda", **options: Any
+) -> VLLMEngine:
+    """The ``"vllm"`` entry of :func:`~treegrpo.rollout.engine.make_engine`.
+
+    ``model`` is one of:
+
+    * a model folder (``str`` / ``Path``): :meth:`VLLMEngine.from_pretrained` on it;
+    * a loaded ``transformers`` model (the trainer's): vLLM is built from the folder it was loaded
+      from (``model.name_or_path``), then given the module's current weights
+      (:meth:`VLLMEngine.load_weights`), so it samples from exactly what the trainer holds;
+    * anything else is taken as a ready ``vllm.LLM`` (:class:`VLLMEngine` wraps it).
+
+    ``options`` go to :meth:`VLLMEngine.from_pretrained` (or the constructor for a ready LLM).
+    vLLM places the model on its GPU itself (choose it with ``CUDA_VISIBLE_DEVICES``); ``device``
+    must be a CUDA device.
+
+    Raises:
+        ImportError: vLLM is not installed (the message gives the install command).
+        ValueError: ``device`` is not a CUDA device, or a module with no folder to build vLLM from.
+    """
+    if options.get("vllm_module") is None:
+        _import_vllm()
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"the vllm engine runs on a CUDA GPU, not device={device!s}: use the hf engine there")
+    if isinstance(model, str | Path):
+        return VLLMEngine.from_pretrained(model, tokenizer=tokenizer, **options)
+    if isinstance(model, torch.nn.Module):
+        folder = getattr(model, "name_or_path", None) or getattr(
+            getattr(model, "config", None), "_name_or_path", None
+        )
+        if not folder:
+            raise ValueError(
+                "the vllm engine builds vLLM from a model folder, and this model has no name_or_path: "
+                "pass the folder, or load the model with from_pretrained"
+            )
+        engine = VLLMEngine.from_pretrained(folder, tokenizer=tokenizer, **options)
+        engine.load_weights(model)
+        return engine
+    return VLLMEngine(model, tokenizer, **options)

@@ -104,6 +104,7 @@ class TrainConfig(BaseModel):
     max_obs_tokens: int = Field(160, ge=1, description="Observation tokens kept per step.")
     max_context_tokens: int = Field(1024, ge=16, description="Longest context a trajectory may reach.")
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
+    engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
 
     # -- advantage and loss ------------------------------------------------------------------------
@@ -181,6 +182,15 @@ class TrainConfig(BaseModel):
 
         if v != "auto" and v not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"unknown estimator {v!r}; choose auto or one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        from treegrpo.rollout.engine import ENGINE_NAMES
+
+        if v not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine {v!r}; choose one of {', '.join(ENGINE_NAMES)}")
         return v
 
     @field_validator("device")

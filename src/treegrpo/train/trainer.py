@@ -21,7 +21,7 @@ from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, 
 from treegrpo.algos.losses import LossConfig
 from treegrpo.io import atomic_write_json
 from treegrpo.rollout.agent import RolloutResult, StepRunner
-from treegrpo.rollout.hf_engine import HFEngine
+from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.train.checkpoint import (
     CHECKPOINT_DIR,
@@ -123,7 +123,7 @@ def train(
     parts = parts or build_run(cfg)
     model, tok = parts.model, parts.tokenizer
     ref_model = _frozen_copy(model) if cfg.kl_coef > 0 else None  # reference = the starting policy
-    engine = HFEngine(model, tok, device=cfg.device)
+    engine = make_engine(cfg.engine, model, tok, device=cfg.device)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(

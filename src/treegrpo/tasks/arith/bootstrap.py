@@ -32,7 +32,7 @@ from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
 from treegrpo.progress import phase, progress_bars
 from treegrpo.rollout.agent import AgentConfig, StepRunner
-from treegrpo.rollout.hf_engine import HFEngine
+from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
 from treegrpo.tasks.arith.problems import (
     ANSWER_START,
@@ -170,7 +170,7 @@ def measure_arith(
     ``guess`` (fraction that answered without working), ``generated_tokens`` (mean per task),
     ``n`` and ``wall_s``.
     """
-    runner = StepRunner(HFEngine(model, tokenizer), env, tokenizer, agent_cfg)
+    runner = StepRunner(make_engine("hf", model, tokenizer), env, tokenizer, agent_cfg)
     gen = torch.Generator().manual_seed(seed)
     res = sample_chains(runner, list(tasks), SamplerConfig(name="chain", group_size=1), random.Random(seed), gen)
     leaves = [leaf for f in res.forests for _, leaf in f.leaves()]

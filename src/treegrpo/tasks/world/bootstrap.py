@@ -191,7 +191,7 @@ def measure_policy(
     max_batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Success and search behaviour of ``model`` on ``tasks`` through the real agent loop
-    (:class:`~treegrpo.rollout.hf_engine.HFEngine` + the ``chain`` sampler, one chain per task).
+    (the ``hf`` engine, :func:`~treegrpo.rollout.engine.make_engine`, + the ``chain`` sampler, one chain per task).
 
     Returns ``success`` (mean reward), ``success_by_hops``, ``tool_calls`` (mean per trajectory),
     ``answer_after_one_search`` (fraction of trajectories that answered after exactly one search),
@@ -199,10 +199,10 @@ def measure_policy(
     hops), ``no_search_answer`` (answered without searching), ``invalid_actions`` and
     ``generated_tokens`` (means per trajectory) and ``wall_s``.
     """
-    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.engine import make_engine
     from treegrpo.rollout.samplers import SamplerConfig, sample_chains
 
-    engine = HFEngine(model, tokenizer, max_batch_size=max_batch_size)
+    engine = make_engine("hf", model, tokenizer, max_batch_size=max_batch_size)
     runner = StepRunner(engine, env, tokenizer, agent_cfg)
     gen = torch.Generator().manual_seed(seed)
     res = sample_chains(
