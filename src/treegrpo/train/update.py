@@ -39,14 +39,9 @@ from treegrpo.train.batching import (
     token_logprobs,
 )
 from treegrpo.train.config import TrainConfig
-from treegrpo.train.packing import (
-    PACKABLE_POLICY_LOSSES,
-    PackedBatch,
-    attention_pair_cost,
-    pack_forests,
-    packed_logprobs,
-    packed_loss,
-)
+from treegrpo.train.packing.forward import attention_pair_cost, packed_logprobs
+from treegrpo.train.packing.layout import PackedBatch, pack_forests
+from treegrpo.train.packing.loss import PACKABLE_POLICY_LOSSES, packed_loss
 from treegrpo.tree import Forest
 
 _log = logging.getLogger("treegrpo.train")
@@ -208,7 +203,8 @@ def update_packed(
     per-micro-batch share is needed). Old log-probs (``cfg.mini_batches > 1``) and reference
     log-probs are computed packed, per packed token, before the first step. A forest is one row
     unless the model's dense attention over a long row would cost more than its sharing saves
-    (:func:`~treegrpo.train.packing.attention_pair_cost`, :func:`~treegrpo.train.packing.split_rows`)."""
+    (:func:`~treegrpo.train.packing.forward.attention_pair_cost`,
+    :func:`~treegrpo.train.packing.rows.split_rows`)."""
     model.train()
     offsets, n_paths = [], 0
     for f in forests:
