@@ -18,7 +18,13 @@ import torch
 
 from treegrpo.algos.kl import KL_ESTIMATORS, kl_penalty
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-sum-norm-legacy",
+)
 
 
 @dataclass(frozen=True)
@@ -86,22 +92,32 @@ def masked_fill_zero(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tenso
 def agg_loss(loss_mat_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
     """Aggregate per-token losses into a scalar, as verl's ``agg_loss``.
 
+    With ``S`` the number of sequences that have at least one masked token and ``T`` the
+    horizon (the padded width ``T`` of the batch):
+
     Modes:
         - ``"token-mean"``: sum over masked tokens / number of masked tokens.
         - ``"seq-mean-token-sum"``: per-sequence sum over its masked tokens, then the mean over
-          sequences.
+          the ``S`` sequences.
         - ``"seq-mean-token-mean"``: per-sequence mean over its masked tokens, then the mean over
-          sequences.
-        - ``"seq-mean-token-sum-norm"``: sum over all masked tokens / T (Dr. GRPO's constant
-          normaliser).
+          the ``S`` sequences.
+        - ``"seq-mean-token-sum-norm"``: sum over all masked tokens / (``S`` · ``T``) — Dr. GRPO's
+          constant normaliser, as verl 0.9.1's ``agg_loss`` (per sequence: token sum /
+          ``loss_scale_factor``, then the mean over the batch's sequences) and TRL's ``dr_grpo``
+          (token sum / (sequences × ``max_completion_length``)) define it.
+        - ``"seq-mean-token-sum-norm-legacy"``: sum over all masked tokens / ``T``, without the
+          sequence count — what the verl fork shipped with the official Tree-GRPO code computes
+          (``S`` times the current definition); kept for reproducing that code.
 
-    Sequences whose mask is all zero are left out of the sequence means (verl would divide 0 by 0
-    for them in ``seq-mean-token-mean`` and count them in ``seq-mean-token-sum``). A mask that is
-    all zero gives a loss of 0 that is still attached to the graph. A float mask acts as weights.
+    Sequences whose mask is all zero are left out of ``S`` (verl's ``agg_loss`` excludes fully
+    masked sequences the same way; TRL counts every completion, which never has an empty mask).
+    A mask that is all zero gives a loss of 0 that is still attached to the graph. A float mask
+    acts as weights.
 
     Args:
         loss_mat_B_T: [B, T] per-token losses.
         mask_B_T: [B, T] policy mask.
+        mode: one of :data:`AGG_MODES`.
 
     Returns:
         a scalar tensor.
@@ -111,17 +127,21 @@ def agg_loss(loss_mat_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: str = "to
     weighted_B_T = masked_fill_zero(loss_mat_B_T, mask_B_T) * m_B_T
     if mode == "token-mean":
         return weighted_B_T.sum() / torch.clamp(m_B_T.sum(), min=1e-8)
+    horizon = max(loss_mat_B_T.shape[-1], 1)
+    if mode == "seq-mean-token-sum-norm-legacy":
+        return weighted_B_T.sum() / horizon
+    valid_B = (mask_B_T != 0).any(dim=-1)
+    n_seqs = torch.clamp(valid_B.sum().to(loss_mat_B_T.dtype), min=1.0)
     if mode == "seq-mean-token-sum-norm":
-        return weighted_B_T.sum() / max(loss_mat_B_T.shape[-1], 1)
+        return weighted_B_T.sum() / (n_seqs * horizon)
     count_B = m_B_T.sum(dim=-1)
     seq_B = weighted_B_T.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         seq_B = seq_B / torch.clamp(count_B, min=1e-8)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
-    valid_B = (mask_B_T != 0).any(dim=-1)
     seq_B = torch.where(valid_B, seq_B, torch.zeros_like(seq_B))
-    return seq_B.sum() / torch.clamp(valid_B.sum().to(seq_B.dtype), min=1.0)
+    return seq_B.sum() / n_seqs
 
 
 def masked_mean(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,15 @@ class TrainConfig(BaseModel):
     )
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="Loss aggregation (verl's modes)."
+    agg_mode: Literal[
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-norm-legacy",
+    ] = Field(
+        "token-mean",
+        description="Loss aggregation (verl's modes; seq-mean-token-sum-norm = Dr. GRPO's token sum / (sequences × T) as verl 0.9.1 and TRL, -legacy = token sum / T as the official Tree-GRPO code's verl fork).",
     )
 
     # -- optimisation ------------------------------------------------------------------------------

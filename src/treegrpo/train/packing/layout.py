@@ -138,9 +138,12 @@ def _path_weights(n_policy: Sequence[int], lengths: Sequence[int], agg_mode: str
         raise ValueError(f"unknown agg_mode {agg_mode!r}; known: {', '.join(AGG_MODES)}")
     if agg_mode == "token-mean":
         return [1.0 / max(sum(n_policy), 1)] * len(n_policy)
-    if agg_mode == "seq-mean-token-sum-norm":
-        return [1.0 / max(max(lengths, default=1), 1)] * len(n_policy)
+    horizon = max(max(lengths, default=1), 1)
+    if agg_mode == "seq-mean-token-sum-norm-legacy":
+        return [1.0 / horizon] * len(n_policy)
     n_valid = max(sum(1 for n in n_policy if n > 0), 1)
+    if agg_mode == "seq-mean-token-sum-norm":
+        return [1.0 / (n_valid * horizon)] * len(n_policy)
     if agg_mode == "seq-mean-token-sum":
         return [1.0 / n_valid if n > 0 else 0.0 for n in n_policy]
     return [1.0 / (n_valid * n) if n > 0 else 0.0 for n in n_policy]  # seq-mean-token-mean

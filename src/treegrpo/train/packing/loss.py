@@ -11,10 +11,11 @@ per-path loss (:func:`treegrpo.algos.losses.compute_loss` on the collated mini-b
 with ``ℓ`` the token-wise policy loss (PPO-clip, dual clip), ``ρ = exp(log π − log π_old)``, ``k``
 the KL estimator, ``H`` the entropy and the aggregation weight ``w_pt``:
 
-    token-mean                1 / N            N  = Σ_pt m_pt (policy tokens, counted per path)
-    seq-mean-token-sum        1 / P'           P' = paths with at least one policy token
-    seq-mean-token-mean       1 / (P' · n_p)   n_p = Σ_t m_pt
-    seq-mean-token-sum-norm   1 / T            T  = longest path (the collated width)
+    token-mean                        1 / N            N  = Σ_pt m_pt (policy tokens, counted per path)
+    seq-mean-token-sum                1 / P'           P' = paths with at least one policy token
+    seq-mean-token-mean               1 / (P' · n_p)   n_p = Σ_t m_pt
+    seq-mean-token-sum-norm           1 / (P' · T)     T  = longest path (the collated width)
+    seq-mean-token-sum-norm-legacy    1 / T
 
 Let ``φ(p, t) = u`` map a path token to its packed token. The mask and position ids give ``u``
 exactly the causal context of ``(p, t)`` on its own path, so ``log π_pt = log π_u``, ``H_pt = H_u``
