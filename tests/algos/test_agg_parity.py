@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treegrpo.algos.losses import AGG_MODES, agg_loss
+from treegrpo.algos.losses import AGG_MODES, LossNormalizers, agg_loss
 
 
 def verl_agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -80,3 +80,37 @@ def test_legacy_mode_is_the_old_verl_fork_token_sum_over_t() -> None:
     n_seqs = int((mask.sum(-1) > 0).sum())
     new = agg_loss(loss, mask, "seq-mean-token-sum-norm")
     assert float(new) == pytest.approx(float(ref) / n_seqs, abs=1e-12)
+
+
+# -- global normalisers: the pieces of a mini-batch add up to it --------------------------------------
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_pieces_with_the_mini_batch_normalizers_add_up(mode: str) -> None:
+    """Split a batch into pieces (micro-batches, or data-parallel ranks) of different padded
+    widths: each aggregated with the whole batch's LossNormalizers, the losses and gradients add
+    up to the whole batch's, which a piece's own counts and width do not give."""
+    loss, mask = _random_batch(3, empty_row=True)
+    loss.requires_grad_(True)
+    pieces = [(0, 2, 9), (2, 5, 13), (5, 7, 6)]  # rows [a, b), padded to width w
+    for a, b, w in pieces:
+        mask[a:b, w:] = 0.0  # nothing of a piece lies past its width
+    whole = agg_loss(loss, mask, mode)
+    (g_whole,) = torch.autograd.grad(whole, loss)
+    norm = LossNormalizers.of(mask.tolist())  # horizon: the full width, 13
+    total = sum(agg_loss(loss[a:b, :w], mask[a:b, :w], mode, norm) for a, b, w in pieces)
+    (g_total,) = torch.autograd.grad(total, loss)
+    assert abs(float(total.detach()) - float(whole.detach())) <= 1e-10
+    assert float((g_total - g_whole).abs().max()) <= 1e-12
+    with torch.no_grad():
+        local = sum(agg_loss(loss[a:b, :w], mask[a:b, :w], mode) for a, b, w in pieces)
+    assert abs(float(local) - float(whole.detach())) > 1e-3  # their own figures do not add up
+
+
+def test_normalizers_of_pieces_combine_like_an_all_reduce() -> None:
+    _, mask = _random_batch(4, empty_row=True)
+    rows = mask.tolist()
+    parts = [LossNormalizers.of(rows[:3]), LossNormalizers.of(rows[3:])]
+    assert LossNormalizers.combine(parts) == LossNormalizers.of(rows)
+    assert LossNormalizers.of(rows) == LossNormalizers(float(mask.sum()), 6.0, 13.0)
+    assert LossNormalizers.of(rows, horizon=64).horizon == 64.0

@@ -147,7 +147,7 @@ def test_policy_loss_registry() -> None:
         get_policy_loss("nope")
 
     @register_policy_loss("_test_zero")
-    def zero(logp, old, adv, mask, cfg):  # type: ignore[no-untyped-def]
+    def zero(logp, old, adv, mask, cfg, norm):  # type: ignore[no-untyped-def]
         return (logp * 0).sum(), {}
 
     try:

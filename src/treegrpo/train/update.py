@@ -29,9 +29,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.algos.losses import LossConfig, LossNormalizers, compute_loss
 from treegrpo.train.batching import (
-    SequenceBatch,
     TrainSequence,
     collate,
     forest_sequences,
@@ -295,9 +294,9 @@ def update_paths(
     pad_id: int,
 ) -> dict[str, float]:
     """PPO-clip over ``cfg.mini_batches`` optimizer steps, one padded row per path; each
-    mini-batch's loss is accumulated over token-capped micro-batches, each weighted by its share of
-    the mini-batch (policy tokens for ``token-mean``, sequences with policy tokens for the
-    ``seq-mean`` modes) so the sum equals the whole-mini-batch loss."""
+    mini-batch's loss is accumulated over token-capped micro-batches, each aggregated with the
+    mini-batch's :class:`~treegrpo.algos.losses.LossNormalizers` (policy tokens, sequences with
+    policy tokens, longest path) so the sum equals the whole-mini-batch loss in every mode."""
     model.train()
     minis = split_minibatches(len(seqs), cfg.mini_batches)
     # Old log-probs: with one optimizer step per batch the policy has not moved, so the ratio is 1
@@ -305,11 +304,15 @@ def update_paths(
     old = None if cfg.mini_batches == 1 else _precompute_logprobs(model, seqs, cfg, pad_id)
     ref = _precompute_logprobs(ref_model, seqs, cfg, pad_id) if ref_model is not None else None
     sums: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value / len(minis)
+
     for mini in minis:
         mini_seqs = [seqs[i] for i in mini]
-        total_tokens = sum(sum(s.policy_mask) for s in mini_seqs)
-        total_valid = sum(1 for s in mini_seqs if any(s.policy_mask))
+        norm = LossNormalizers.of(s.policy_mask for s in mini_seqs)
         optimizer.zero_grad(set_to_none=True)
+        ratio_max = 0.0
         for local in micro_batches([len(s.tokens) for s in mini_seqs], cfg.micro_batch_tokens):
             ids = [mini[j] for j in local]
             mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
@@ -322,29 +325,22 @@ def update_paths(
                 mb.policy_mask_B_T,
                 ent if loss_cfg.entropy_coef > 0 else None,
                 loss_cfg,
+                norm,
             )
-            share = _share(mb, loss_cfg.agg_mode, total_tokens, total_valid)
-            (loss * share).backward()
+            loss.backward()
+            # loss/* are this micro-batch's share already; actor/* are its token means
+            token_share = float(mb.policy_mask_B_T.sum()) / max(norm.n_tokens, 1.0)
+            ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share / len(minis)
+                add(k, v if k.startswith("loss/") else v * token_share)
             with torch.no_grad():
-                pm = mb.policy_mask_B_T
-                sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float((ent * pm).sum()) / max(
-                    1, total_tokens
-                ) / len(minis)
+                add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
+        add("actor/ratio_max", ratio_max)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / len(minis)
+        add("actor/grad_norm", float(grad_norm))
     model.eval()
     return sums
-
-
-def _share(mb: SequenceBatch, agg_mode: str, total_tokens: int, total_valid: int) -> float:
-    """The micro-batch's share of its mini-batch: policy tokens (token-mean) or sequences with at
-    least one policy token (seq-mean modes, which leave empty sequences out of their mean)."""
-    if agg_mode == "token-mean":
-        return float(mb.policy_mask_B_T.sum()) / max(1, total_tokens)
-    return float((mb.policy_mask_B_T != 0).any(dim=-1).sum()) / max(1, total_valid)
 
 
 def _gather(table: dict[int, torch.Tensor] | None, ids: list[int], like: torch.Tensor) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treegrpo.algos.losses import AGG_MODES
+from treegrpo.algos.losses import AGG_MODES, LossNormalizers
 from treegrpo.train.batching import micro_batches
 from treegrpo.train.packing.rows import Row, build_row, fill_rows, path_segments, split_rows
 from treegrpo.tree import Forest
@@ -131,17 +131,17 @@ class PackedBatch:
 # -- packing ------------------------------------------------------------------------------------
 
 
-def _path_weights(n_policy: Sequence[int], lengths: Sequence[int], agg_mode: str) -> list[float]:
+def _path_weights(n_policy: Sequence[int], agg_mode: str, norm: LossNormalizers) -> list[float]:
     """Aggregation weight ``w_p`` of a policy token of each path (the table in
-    :mod:`treegrpo.train.packing.loss`)."""
+    :mod:`treegrpo.train.packing.loss`), with the mini-batch's denominators ``norm``."""
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; known: {', '.join(AGG_MODES)}")
     if agg_mode == "token-mean":
-        return [1.0 / max(sum(n_policy), 1)] * len(n_policy)
-    horizon = max(max(lengths, default=1), 1)
+        return [1.0 / max(norm.n_tokens, 1)] * len(n_policy)
+    horizon = max(norm.horizon, 1)
     if agg_mode == "seq-mean-token-sum-norm-legacy":
         return [1.0 / horizon] * len(n_policy)
-    n_valid = max(sum(1 for n in n_policy if n > 0), 1)
+    n_valid = max(norm.n_seqs, 1)
     if agg_mode == "seq-mean-token-sum-norm":
         return [1.0 / (n_valid * horizon)] * len(n_policy)
     if agg_mode == "seq-mean-token-sum":
@@ -245,6 +245,7 @@ def pack_forests(
     pad_id: int = 0,
     select: Sequence[Sequence[int]] | None = None,
     pair_cost: float = 0.0,
+    norm: LossNormalizers | None = None,
 ) -> list[PackedBatch]:
     """Pack forests into micro-batches, one row per forest, each shared token once.
 
@@ -253,7 +254,8 @@ def pack_forests(
     more than the sharing saves; :func:`~treegrpo.train.packing.forward.attention_pair_cost`
     estimates it for a model. Exactness does not depend on how paths are grouped into rows.
 
-    The loss weights are normalised over *all* selected paths (one mini-batch), so summing
+    The loss weights are normalised over *all* selected paths (one mini-batch; or by ``norm``,
+    the figures of a larger whole these paths are a part of, e.g. one rank's share), so summing
     :func:`~treegrpo.train.packing.loss.packed_loss` over the returned micro-batches gives the
     per-path mini-batch loss.
 
@@ -269,6 +271,8 @@ def pack_forests(
             flattened order of ``forest_sequences`` (forest by forest, path by path).
         pair_cost: cost of one attention (query, key) pair relative to one token's other work;
             0 (default): one row per forest, the most sharing.
+        norm: the mini-batch's aggregation denominators; ``None``: those of the selected paths
+            (:meth:`LossNormalizers.of <treegrpo.algos.losses.LossNormalizers.of>`).
 
     Returns:
         the micro-batches, rows grouped by similar length.
@@ -304,10 +308,11 @@ def pack_forests(
         return []
     all_ids = [g for u in units for g in u[0]]
     n_policy = [sum(m) for u in units for m in u[2]]
-    lengths = [len(m) for u in units for m in u[2]]
-    weights = dict(zip(all_ids, _path_weights(n_policy, lengths, agg_mode), strict=True))
+    if norm is None:
+        norm = LossNormalizers.of(m for u in units for m in u[2])
+    weights = dict(zip(all_ids, _path_weights(n_policy, agg_mode, norm), strict=True))
     rows = fill_rows([build_row(*u) for u in units])
-    count_total = float(sum(n_policy))
+    count_total = norm.n_tokens
     return [
         _collate_rows([rows[i] for i in mb], weights, pad_id, count_total)
         for mb in micro_batches([len(r) for r in rows], max_tokens)

@@ -4,7 +4,8 @@ Exact loss (derivation)
 -----------------------
 A mini-batch holds paths ``p`` with tokens ``t``, policy mask ``m_pt``, advantages ``A_pt``. The
 per-path loss (:func:`treegrpo.algos.losses.compute_loss` on the collated mini-batch, which is what
-``update`` computes by summing share-weighted micro-batches) is::
+``update`` computes by summing micro-batches aggregated with the mini-batch's
+:class:`~treegrpo.algos.losses.LossNormalizers`) is::
 
     L = Σ_p Σ_t m_pt w_pt [ ℓ(ρ_pt, A_pt) + β k(π_pt, π^ref_pt) − η H_pt ]
 
@@ -14,7 +15,7 @@ the KL estimator, ``H`` the entropy and the aggregation weight ``w_pt``:
     token-mean                        1 / N            N  = Σ_pt m_pt (policy tokens, counted per path)
     seq-mean-token-sum                1 / P'           P' = paths with at least one policy token
     seq-mean-token-mean               1 / (P' · n_p)   n_p = Σ_t m_pt
-    seq-mean-token-sum-norm           1 / (P' · T)     T  = longest path (the collated width)
+    seq-mean-token-sum-norm           1 / (P' · T)     T  = longest path (or a given horizon)
     seq-mean-token-sum-norm-legacy    1 / T
 
 Let ``φ(p, t) = u`` map a path token to its packed token. The mask and position ids give ``u``
@@ -39,8 +40,10 @@ of terms of a token is the number of distinct advantages among the paths through
 ``treerl`` (advantages are per node), at most the number of distinct leaf advantages of its tree
 for ``tree_grpo``/``grpo``. (For PPO-clip, ``ℓ(ρ, a) = |a| ℓ(ρ, sign a)``, so two terms per token
 would do; grouping by value needs only that ``ℓ`` is token-wise, see
-:data:`PACKABLE_POLICY_LOSSES`.) The weights are normalised over the whole mini-batch, so the
-packed losses of its micro-batches simply add up to the mini-batch loss.
+:data:`PACKABLE_POLICY_LOSSES`.) The weights are normalised over the whole mini-batch (``N``,
+``P'`` and ``T`` are its figures, :class:`~treegrpo.algos.losses.LossNormalizers`), so the packed
+losses of its micro-batches — and, with data parallelism, of its ranks — add up to the
+mini-batch loss.
 
 Metrics returned by :func:`packed_loss` are additive over the micro-batches of one mini-batch
 (``actor/ratio_max``: take the max): ``loss/*`` are the micro-batch's share of the mini-batch loss;
@@ -101,13 +104,15 @@ def packed_loss(
     adv_1_J = batch.term_adv_J[None].to(lp_1_J.dtype)
     # One row, float mask = weights, "seq-mean-token-sum": exactly Σ_j W_j ℓ(ρ_j, a_j).
     sum_cfg = dataclasses.replace(cfg, agg_mode="seq-mean-token-sum")
-    policy, _ = policy_fn(lp_1_J, old_1_J, adv_1_J, batch.term_weight_J[None].to(lp_1_J.dtype), sum_cfg)
+    policy, _ = policy_fn(
+        lp_1_J, old_1_J, adv_1_J, batch.term_weight_J[None].to(lp_1_J.dtype), sum_cfg, None
+    )
     total = policy
     frac = float(batch.term_count_J.sum()) / max(batch.count_total, 1.0)
     with torch.no_grad():  # path-token means of this micro-batch, scaled to add up
         mean_cfg = dataclasses.replace(cfg, agg_mode="token-mean")
         _, m = policy_fn(
-            lp_1_J.detach(), old_1_J, adv_1_J, batch.term_count_J[None].to(lp_1_J.dtype), mean_cfg
+            lp_1_J.detach(), old_1_J, adv_1_J, batch.term_count_J[None].to(lp_1_J.dtype), mean_cfg, None
         )
     metrics = {k: (v if k == "actor/ratio_max" else v * frac) for k, v in m.items()}
     metrics["loss/policy"] = policy.item()
