@@ -104,17 +104,24 @@ def token_logprobs(
     batch: SequenceBatch,
     with_entropy: bool = False,
     *,
+    temperature: float = 1.0,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_B_T`` of each input token given the ones before it (0 at t = 0 and on pads);
-    optionally the full-distribution entropy ``entropy_B_T`` at the same positions. The read-out
-    is :func:`~treegrpo.train.logprobs.logprobs_from_logits` with source position ``t - 1``
-    (``chunk_tokens``: see there)."""
+    optionally the full-distribution entropy ``entropy_B_T`` at the same positions, both at the
+    sampling ``temperature``. The read-out is
+    :func:`~treegrpo.train.logprobs.logprobs_from_logits` with source position ``t - 1``
+    (``temperature``, ``chunk_tokens``: see there)."""
     out = model(input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T, use_cache=False)
     T = batch.input_ids_B_T.shape[1]
     src_B_T = (torch.arange(T, device=batch.input_ids_B_T.device) - 1).expand_as(batch.input_ids_B_T)
     lp, ent = logprobs_from_logits(
-        out.logits, src_B_T, batch.input_ids_B_T, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        out.logits,
+        src_B_T,
+        batch.input_ids_B_T,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
     )
     lp = lp * batch.attention_mask_B_T
     if ent is not None:

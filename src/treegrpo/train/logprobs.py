@@ -9,7 +9,10 @@ root→leaf path* in a packed row), so::
     logprob[b, l] = log_softmax(logits[b, src[b, l]])[targets[b, l]]
     entropy[b, l] = H(softmax(logits[b, src[b, l]]))
 
-and both are 0 where ``src < 0`` (a path's first token, pads).
+and both are 0 where ``src < 0`` (a path's first token, pads). The logits are divided by the
+sampling temperature first (as verl does), so the PPO ratio compares the distributions the
+tokens were actually drawn from; temperature 0 (greedy) has no such distribution and is treated
+as 1 (:func:`effective_temperature`).
 
 The vocabulary-wide log-softmax is the large intermediate (``[B, L, V]`` floats). With
 ``chunk_tokens`` it is computed over at most that many source positions at a time, so under
@@ -25,11 +28,21 @@ from __future__ import annotations
 import torch
 
 
+def effective_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: the sampling temperature, except that 0 (greedy
+    decoding, which samples from no temperature-scaled distribution) is treated as 1 — no
+    scaling, never a division by zero."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return 1.0 if temperature == 0 else float(temperature)
+
+
 def logprobs_from_logits(
     logits_B_L_V: torch.Tensor,
     src_B_L: torch.Tensor,
     targets_B_L: torch.Tensor,
     *,
+    temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -39,6 +52,7 @@ def logprobs_from_logits(
         logits_B_L_V: the model's logits (any float dtype; computed in float32).
         src_B_L: for each token, the position in its row whose logits predict it; -1 = none.
         targets_B_L: the token ids whose log-probs are read.
+        temperature: the logits are divided by it (the sampling temperature); 0 is treated as 1.
         with_entropy: also return the full-distribution entropy at each token's source position.
         chunk_tokens: compute the log-softmax over at most this many source positions at a time
             (see the module docstring); ``None``: all at once.
@@ -48,7 +62,10 @@ def logprobs_from_logits(
     """
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+    temp = effective_temperature(temperature)
     logits = logits_B_L_V.float()
+    if temp != 1.0:
+        logits = logits / temp
     has_src = src_B_L >= 0
     src = src_B_L.clamp(min=0)
     B, L, V = logits.shape

@@ -54,6 +54,7 @@ def packed_logprobs(
     batch: PackedBatch,
     with_entropy: bool = False,
     *,
+    temperature: float = 1.0,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each packed token given its ancestors, from one forward over the packed rows.
@@ -62,6 +63,7 @@ def packed_logprobs(
         model: a causal LM accepting ``attention_mask`` as a 4D additive mask and ``position_ids``.
         batch: a packed micro-batch (on the model's device).
         with_entropy: also return the full-distribution entropy of the prediction of each token.
+        temperature: the sampling temperature the log-probs are computed at (0 → 1).
         chunk_tokens: see :func:`~treegrpo.train.logprobs.logprobs_from_logits`.
 
     Returns:
@@ -75,7 +77,12 @@ def packed_logprobs(
         use_cache=False,
     )
     return logprobs_from_logits(
-        out.logits, batch.prev_B_L, batch.input_ids_B_L, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        out.logits,
+        batch.prev_B_L,
+        batch.input_ids_B_L,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
     )
 
 
@@ -87,16 +94,18 @@ def path_logprobs_packed(
     pad_id: int = 0,
     max_tokens: int = 8192,
     device: str | torch.device = "cpu",
+    temperature: float = 1.0,
 ) -> dict[int, torch.Tensor]:
     """Per-path log-probs (``{global path index: logprobs_T}``, as the per-path trainer's
-    precomputed old/reference log-probs) computed packed, each shared token once. Eval mode."""
+    precomputed old/reference log-probs) computed packed, each shared token once, at
+    ``temperature``. Eval mode."""
     was_training = model.training
     model.eval()
     out: dict[int, torch.Tensor] = {}
     try:
         for mb in pack_forests(forests, max_tokens=max_tokens, pad_id=pad_id):
             mb = mb.to(device)
-            per_path = mb.unpack(packed_logprobs(model, mb)[0])
+            per_path = mb.unpack(packed_logprobs(model, mb, temperature=temperature)[0])
             for row, (g, n) in enumerate(zip(mb.path_ids, mb.path_len_P.tolist(), strict=True)):
                 out[g] = per_path[row, :n]
     finally:

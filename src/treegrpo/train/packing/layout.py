@@ -51,6 +51,8 @@ class PackedBatch:
     - ``prev_B_L``: index (in the row) of the previous token on the token's path, -1 for the first
       token of a path and for pads; the token's log-prob is read from the logits there.
     - ``valid_B_L``: bool, True on real tokens.
+    - ``sample_logprobs_B_L``: the engine's log-prob of each token when it was sampled (the
+      nodes' ``logprobs``; 0 where a node has none, on prompt/observation tokens and on pads).
     - ``weight_B_L``: ``W_u``, the summed aggregation weight of the paths through the token that
       have it in their policy mask (weight of the KL and entropy terms).
     - ``count_B_L``: number of paths through the token that have it in their policy mask.
@@ -71,6 +73,7 @@ class PackedBatch:
     mask_B_1_L_L: torch.Tensor
     prev_B_L: torch.Tensor
     valid_B_L: torch.Tensor
+    sample_logprobs_B_L: torch.Tensor
     weight_B_L: torch.Tensor
     count_B_L: torch.Tensor
     term_row_J: torch.Tensor
@@ -157,6 +160,7 @@ def _collate_rows(
     pos = torch.zeros((B, L), dtype=torch.long)
     prev = torch.full((B, L), -1, dtype=torch.long)
     valid = torch.zeros((B, L), dtype=torch.bool)
+    sample_lp = torch.zeros((B, L), dtype=torch.float32)
     neg = torch.finfo(torch.float32).min
     mask = torch.full((B, 1, L, L), neg, dtype=torch.float32)
     longest = max((e - s for r in rows for s, e, _ in r.spans), default=0)
@@ -179,6 +183,7 @@ def _collate_rows(
         m.diagonal()[n:] = 0.0  # pads see themselves only
         if r.path_ids:
             idx = torch.cat(r.path_index)
+            sample_lp[b, idx] = torch.tensor([x for pl in r.path_logp for x in pl], dtype=torch.float32)
             m = torch.tensor([x for pm in r.path_mask for x in pm], dtype=torch.bool)
             adv = torch.tensor([x for pa in r.path_adv for x in pa], dtype=torch.float64)
             w = torch.cat(
@@ -219,6 +224,7 @@ def _collate_rows(
         mask_B_1_L_L=mask,
         prev_B_L=prev,
         valid_B_L=valid,
+        sample_logprobs_B_L=sample_lp,
         weight_B_L=weight.float(),
         count_B_L=count.float(),
         term_row_J=cat(t_row, torch.long),
@@ -281,13 +287,15 @@ def pack_forests(
         raise ValueError(f"{len(advantages)} advantage lists for {len(forests)} forests")
     if select is not None and len(select) != len(forests):
         raise ValueError(f"{len(select)} path selections for {len(forests)} forests")
-    units: list[tuple[list[int], list[list[list[int]]], list[list[int]], list[list[float]]]] = []
+    units: list[
+        tuple[list[int], list[list[list[int]]], list[list[int]], list[list[float]], list[list[float]]]
+    ] = []
     offset = 0
     for fi, forest in enumerate(forests):
         paths = forest.paths()
         segs = path_segments(forest)
         chosen = range(len(paths)) if select is None else select[fi]
-        ids, sg, ms, av = [], [], [], []
+        ids, sg, ms, av, lps = [], [], [], [], []
         for j in chosen:
             ps = paths[j]
             a = [0.0] * len(ps.tokens_T) if advantages is None else list(advantages[fi][j])
@@ -299,9 +307,16 @@ def pack_forests(
             sg.append(segs[j])
             ms.append(list(ps.policy_mask_T))
             av.append(a)
+            lps.append(list(ps.logprobs_T))
         for row in split_rows(sg, pair_cost):
             units.append(
-                ([ids[i] for i in row], [sg[i] for i in row], [ms[i] for i in row], [av[i] for i in row])
+                (
+                    [ids[i] for i in row],
+                    [sg[i] for i in row],
+                    [ms[i] for i in row],
+                    [av[i] for i in row],
+                    [lps[i] for i in row],
+                )
             )
         offset += len(paths)
     if not units:

@@ -104,9 +104,7 @@ def packed_loss(
     adv_1_J = batch.term_adv_J[None].to(lp_1_J.dtype)
     # One row, float mask = weights, "seq-mean-token-sum": exactly Σ_j W_j ℓ(ρ_j, a_j).
     sum_cfg = dataclasses.replace(cfg, agg_mode="seq-mean-token-sum")
-    policy, _ = policy_fn(
-        lp_1_J, old_1_J, adv_1_J, batch.term_weight_J[None].to(lp_1_J.dtype), sum_cfg, None
-    )
+    policy, _ = policy_fn(lp_1_J, old_1_J, adv_1_J, batch.term_weight_J[None].to(lp_1_J.dtype), sum_cfg, None)
     total = policy
     frac = float(batch.term_count_J.sum()) / max(batch.count_total, 1.0)
     with torch.no_grad():  # path-token means of this micro-batch, scaled to add up

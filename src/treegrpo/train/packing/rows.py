@@ -31,8 +31,8 @@ from treegrpo.tree import Forest
 class Row:
     """One packed row: the selected paths of one forest (or of several, after
     :func:`fill_rows`), as a trie over node contents. ``path_index[i]`` maps path ``i``'s tokens
-    to their packed positions; ``path_mask`` / ``path_adv`` are its policy mask and per-token
-    advantages, in path order."""
+    to their packed positions; ``path_mask`` / ``path_adv`` / ``path_logp`` are its policy
+    mask, per-token advantages and the engine's sampling log-probs, in path order."""
 
     tokens: list[int]
     positions: list[int]
@@ -42,6 +42,7 @@ class Row:
     path_index: list[torch.Tensor]  # per path: [T_p] packed index of each path token
     path_mask: list[list[int]]
     path_adv: list[list[float]]
+    path_logp: list[list[float]]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -136,6 +137,7 @@ def build_row(
     segments: Sequence[list[list[int]]],
     masks: Sequence[list[int]],
     advs: Sequence[list[float]],
+    logps: Sequence[list[float]],
 ) -> Row:
     """Pack paths (given as node token lists) into one DFS-ordered row over a trie of node contents."""
     t = build_trie(segments)
@@ -171,7 +173,9 @@ def build_row(
         else torch.zeros(0, dtype=torch.long)
         for nodes in path_nodes
     ]
-    return Row(tokens, positions, prev, spans, list(path_ids), path_index, list(masks), list(advs))
+    return Row(
+        tokens, positions, prev, spans, list(path_ids), path_index, list(masks), list(advs), list(logps)
+    )
 
 
 def _concat_rows(rows: Sequence[Row]) -> Row:
@@ -179,7 +183,7 @@ def _concat_rows(rows: Sequence[Row]) -> Row:
     part's spans are its own), positions restart in each part."""
     if len(rows) == 1:
         return rows[0]
-    out = Row([], [], [], [], [], [], [], [])
+    out = Row([], [], [], [], [], [], [], [], [])
     for r in rows:
         off = len(out.tokens)
         out.tokens.extend(r.tokens)
@@ -190,6 +194,7 @@ def _concat_rows(rows: Sequence[Row]) -> Row:
         out.path_index.extend(pi + off for pi in r.path_index)
         out.path_mask.extend(r.path_mask)
         out.path_adv.extend(r.path_adv)
+        out.path_logp.extend(r.path_logp)
     return out
 
 
