@@ -26,7 +26,7 @@ from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.hf_engine import HFEngine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.train.checkpoint import find_checkpoint, load_state, save_checkpoint
-from treegrpo.train.config import TrainConfig
+from treegrpo.train.config import TrainConfig, warn_single_leaf_groups
 from treegrpo.train.metrics import MetricsLogger
 from treegrpo.train.setup import RunParts, build_run
 from treegrpo.train.update import update
@@ -76,6 +76,7 @@ def train(
     """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given;
     ``eval_start`` is the starting policy's held-out evaluation when the caller already has it
     (evaluation is deterministic, so runs from one model can share it)."""
+    warn_single_leaf_groups(cfg)  # their advantage has no baseline
     console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
     if cfg.threads:
