@@ -110,7 +110,9 @@ class LossNormalizers:
         """The figures of the union of disjoint pieces (what an all-reduce across data-parallel
         ranks computes: counts add up, the horizon is the largest)."""
         ps = list(parts)
-        return cls(sum(p.n_tokens for p in ps), sum(p.n_seqs for p in ps), max((p.horizon for p in ps), default=0.0))
+        return cls(
+            sum(p.n_tokens for p in ps), sum(p.n_seqs for p in ps), max((p.horizon for p in ps), default=0.0)
+        )
 
 
 def _check_pair(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, what: str) -> None:
