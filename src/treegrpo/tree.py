@@ -296,9 +296,11 @@ def _parse_node(raw: Any, where: str) -> Node:
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
         raise ForestError(f"{w}: parent must be an integer or null, got {parent!r}")
     tokens = _int_list(raw.get("tokens", []), f"{w}: 'tokens'")
-    mask = _int_list(
-        raw.get("policy_mask", [1 if parent is not None else 0] * len(tokens)), f"{w}: 'policy_mask'"
-    )
+    if tokens and parent is not None and "policy_mask" not in raw:  # the root (prompt) is all 0
+        raise ForestError(
+            f"{w}: has 'tokens' but no 'policy_mask' (1 per generated token, 0 per observation token)"
+        )
+    mask = _int_list(raw.get("policy_mask", [0] * len(tokens)), f"{w}: 'policy_mask'")
     if len(mask) != len(tokens) or any(m not in (0, 1) for m in mask):
         raise ForestError(f"{w}: 'policy_mask' must be 0/1 values, one per token ({len(tokens)} tokens)")
     logprobs = raw.get("logprobs", [])

@@ -166,6 +166,24 @@ def test_config_validation() -> None:
         AdvantageConfig(components="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="eps"):
         AdvantageConfig(eps=-1.0)
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0"):
+        AdvantageConfig(eps=0)  # an all-equal group would give 0 / 0 = NaN
+    with pytest.raises(ValueError, match="eps"):
+        AdvantageConfig(eps=float("nan"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", ["grpo", "tree_grpo", "intra_only", "treerl"])
+def test_non_finite_reward_is_an_error_naming_the_prompt(bad: float, name: str) -> None:
+    """One NaN/inf leaf would make every advantage of the forest NaN (group mean and std)."""
+    forest = Forest("hotpot-17", make_forest(TREE0, TREE1).trees)
+    forest.trees[1].node(4).reward = bad
+    with pytest.raises(
+        ValueError, match=r"prompt 'hotpot-17' tree 1 node 4: leaf reward is \S+ \(not finite\)"
+    ):
+        get_advantage_estimator(name)(forest, AdvantageConfig())
+    with pytest.raises(ValueError, match="reward function"):
+        token_advantages(forest, name)
 
 
 # -- grpo -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treegrpo.algos import (
+    AGG_MODES,
     POLICY_LOSSES,
     LossConfig,
     agg_loss,
@@ -35,7 +36,8 @@ MASK = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # last sequence
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
         ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 sequences; the empty one is skipped
         ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
-        ("seq-mean-token-sum-norm", 7 / 4),  # (1 + 2 + 4) / T=4
+        ("seq-mean-token-sum-norm", 7 / 8),  # (1 + 2 + 4) / (2 non-empty sequences × T=4)
+        ("seq-mean-token-sum-norm-legacy", 7 / 4),  # (1 + 2 + 4) / T=4
     ],
 )
 def test_agg_modes(mode: str, expected: float) -> None:
@@ -47,7 +49,7 @@ def test_agg_modes(mode: str, expected: float) -> None:
     assert agg_loss(LOSS, MASK.float(), mode).item() == pytest.approx(expected, abs=TOL)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_agg_all_masked_is_zero_not_nan(mode: str) -> None:
     x = torch.randn(2, 3, requires_grad=True)
     out = agg_loss(x, torch.zeros(2, 3), mode)
@@ -60,7 +62,7 @@ def test_agg_ignores_nan_at_masked_positions() -> None:
     x = LOSS.clone()
     x[2] = float("nan")
     x[0, 3] = float("inf")
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    for mode in AGG_MODES:
         assert agg_loss(x, MASK, mode).item() == pytest.approx(agg_loss(LOSS, MASK, mode).item(), abs=TOL)
 
 
@@ -145,7 +147,7 @@ def test_policy_loss_registry() -> None:
         get_policy_loss("nope")
 
     @register_policy_loss("_test_zero")
-    def zero(logp, old, adv, mask, cfg):  # type: ignore[no-untyped-def]
+    def zero(logp, old, adv, mask, cfg, norm):  # type: ignore[no-untyped-def]
         return (logp * 0).sum(), {}
 
     try:

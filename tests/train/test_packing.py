@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treegrpo.algos.advantages import token_advantages
-from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.algos.losses import AGG_MODES, LossConfig, compute_loss
 from treegrpo.models.loader import load_model
 from treegrpo.train.batching import collate, forest_sequences, token_logprobs
 from treegrpo.train.packing import (
@@ -222,7 +222,8 @@ def test_weights_follow_the_aggregation_mode() -> None:
         ("token-mean", 1.0),  # Σ W = Σ_p n_p / N
         ("seq-mean-token-sum", sum(n_pol) / valid),
         ("seq-mean-token-mean", 1.0),
-        ("seq-mean-token-sum-norm", sum(n_pol) / max(len(s.tokens) for s in seqs)),
+        ("seq-mean-token-sum-norm", sum(n_pol) / (valid * max(len(s.tokens) for s in seqs))),
+        ("seq-mean-token-sum-norm-legacy", sum(n_pol) / max(len(s.tokens) for s in seqs)),
     ):
         batches = pack_forests(forests, agg_mode=mode, max_tokens=100, pad_id=PAD)
         assert sum(float(b.weight_B_L.sum()) for b in batches) == pytest.approx(expect, rel=1e-5)
@@ -316,11 +317,7 @@ def packed_total_loss(
 
 CASES = [
     (est, agg, kl, dual)
-    for i, (est, agg) in enumerate(
-        (e, a)
-        for e in ("tree_grpo", "grpo", "treerl")
-        for a in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-    )
+    for i, (est, agg) in enumerate((e, a) for e in ("tree_grpo", "grpo", "treerl") for a in AGG_MODES)
     for kl, dual in [(("k3", "k1", "k2")[i % 3], i % 2 == 0)]
 ]
 

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from treegrpo.tree import Forest, Tree
+from treegrpo.tree import Forest
 
 Level = Literal["leaf", "node"]
 Scale = Literal["std", "none"]
@@ -44,7 +44,8 @@ class AdvantageConfig:
     Attributes:
         scale: ``"std"`` divides by the group's unbiased std (+ eps); ``"none"`` only subtracts the
             group mean (Dr. GRPO). Used by the group-relative estimators; ``treerl`` ignores it.
-        eps: added to the std before dividing.
+        eps: added to the std before dividing; must be > 0 (a group whose rewards are all equal
+            has std 0, and its advantage 0 / (0 + eps) is 0 only with eps > 0).
         components: which parts of ``tree_grpo`` to sum: ``"both"`` (inter + intra, the paper),
             ``"intra"`` or ``"inter"``. The registered ``intra_only`` / ``inter_only`` estimators
             fix this regardless of the value here.
@@ -65,8 +66,11 @@ class AdvantageConfig:
             raise ValueError(
                 f"AdvantageConfig.components must be one of {_COMPONENTS}, got {self.components!r}"
             )
-        if not (isinstance(self.eps, (int, float)) and self.eps >= 0 and math.isfinite(self.eps)):
-            raise ValueError(f"AdvantageConfig.eps must be a finite number >= 0, got {self.eps!r}")
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(
+                f"AdvantageConfig.eps must be a finite number > 0 (it keeps an all-equal group's "
+                f"0 / std finite), got {self.eps!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -167,11 +171,20 @@ def group_normalize(
 # -- estimators ---------------------------------------------------------------------------------
 
 
-def _leaf_reward(tree: Tree, node_id: int, ti: int) -> float:
-    r = tree.node(node_id).reward
+def _leaf_reward(forest: Forest, ti: int, node_id: int) -> float:
+    """The reward of a leaf; a missing or non-finite (NaN/inf) reward is an error naming the
+    prompt, tree and leaf — one such leaf would otherwise turn every advantage of its forest
+    (group mean and std) into NaN."""
+    r = forest.trees[ti].node(node_id).reward
+    where = f"prompt {forest.prompt_id!r} tree {ti} node {node_id}"
     if r is None:
-        raise ValueError(f"tree {ti} node {node_id}: leaf has no reward")
-    return float(r)
+        raise ValueError(f"{where}: leaf has no reward")
+    r = float(r)
+    if not math.isfinite(r):
+        raise ValueError(
+            f"{where}: leaf reward is {r} (not finite); the reward function must return a finite number"
+        )
+    return r
 
 
 def _leaf_table(forest: Forest) -> tuple[list[NodeKey], torch.Tensor, torch.Tensor]:
@@ -181,7 +194,7 @@ def _leaf_table(forest: Forest) -> tuple[list[NodeKey], torch.Tensor, torch.Tens
     trees: list[int] = []
     for ti, leaf in forest.leaves():
         keys.append((ti, leaf.id))
-        rewards.append(_leaf_reward(forest.trees[ti], leaf.id, ti))
+        rewards.append(_leaf_reward(forest, ti, leaf.id))
         trees.append(ti)
     return keys, torch.tensor(rewards, dtype=torch.float64), torch.tensor(trees, dtype=torch.long)
 
@@ -248,7 +261,7 @@ def treerl_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, floa
             key = (ti, node.id)
             kids = tree.children[node.id]
             if node.parent is not None and not kids:
-                r = _leaf_reward(tree, node.id, ti)
+                r = _leaf_reward(forest, ti, node.id)
                 total[key], count[key] = r, 1
                 all_sum += r
                 all_n += 1

@@ -11,14 +11,20 @@ at masked positions before any arithmetic, and the aggregation selects masked to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from treegrpo.algos.kl import KL_ESTIMATORS, kl_penalty
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-sum-norm-legacy",
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,49 @@ class LossConfig:
 # -- masking and aggregation --------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LossNormalizers:
+    """The denominators of :func:`agg_loss` for a whole mini-batch.
+
+    A mini-batch is often computed in pieces — token-capped micro-batches, packed rows, and (with
+    data parallelism) ranks. Each piece divided by its *own* counts and width gives a different
+    gradient from the mini-batch in one piece; dividing every piece by the mini-batch's figures
+    makes the pieces' losses (and gradients) add up to it exactly, for every mode.
+
+    Attributes:
+        n_tokens: policy tokens of the mini-batch (``token-mean``).
+        n_seqs: sequences with at least one policy token (the ``seq-mean-*`` modes).
+        horizon: ``T`` of ``seq-mean-token-sum-norm`` (and ``-legacy``): the longest sequence of
+            the mini-batch, or a constant (verl's ``loss_scale_factor``, TRL's
+            ``max_completion_length``) to keep the normaliser fixed across steps.
+    """
+
+    n_tokens: float
+    n_seqs: float
+    horizon: float
+
+    @classmethod
+    def of(cls, policy_masks: Iterable[Sequence[float]], horizon: float | None = None) -> LossNormalizers:
+        """The figures of sequences given by their policy masks; ``horizon`` defaults to the
+        longest mask."""
+        n_tokens = n_seqs = longest = 0
+        for m in policy_masks:
+            k = sum(1 for x in m if x)
+            n_tokens += sum(m)
+            n_seqs += k > 0
+            longest = max(longest, len(m))
+        return cls(float(n_tokens), float(n_seqs), float(longest if horizon is None else horizon))
+
+    @classmethod
+    def combine(cls, parts: Iterable[LossNormalizers]) -> LossNormalizers:
+        """The figures of the union of disjoint pieces (what an all-reduce across data-parallel
+        ranks computes: counts add up, the horizon is the largest)."""
+        ps = list(parts)
+        return cls(
+            sum(p.n_tokens for p in ps), sum(p.n_seqs for p in ps), max((p.horizon for p in ps), default=0.0)
+        )
+
+
 def _check_pair(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, what: str) -> None:
     if x_B_T.shape != mask_B_T.shape:
         raise ValueError(f"{what} has shape {tuple(x_B_T.shape)} but the mask has {tuple(mask_B_T.shape)}")
@@ -83,25 +132,42 @@ def masked_fill_zero(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tenso
     return torch.where(mask_B_T != 0, x_B_T, torch.zeros_like(x_B_T))
 
 
-def agg_loss(loss_mat_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def agg_loss(
+    loss_mat_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    mode: str = "token-mean",
+    norm: LossNormalizers | None = None,
+) -> torch.Tensor:
     """Aggregate per-token losses into a scalar, as verl's ``agg_loss``.
 
-    Modes:
-        - ``"token-mean"``: sum over masked tokens / number of masked tokens.
-        - ``"seq-mean-token-sum"``: per-sequence sum over its masked tokens, then the mean over
-          sequences.
-        - ``"seq-mean-token-mean"``: per-sequence mean over its masked tokens, then the mean over
-          sequences.
-        - ``"seq-mean-token-sum-norm"``: sum over all masked tokens / T (Dr. GRPO's constant
-          normaliser).
+    With ``N`` the number of masked tokens, ``S`` the number of sequences that have at least one
+    and ``T`` the horizon — this batch's own figures (``T`` = its padded width), or the
+    mini-batch's when ``norm`` is given (so the losses of a mini-batch's pieces add up to it):
 
-    Sequences whose mask is all zero are left out of the sequence means (verl would divide 0 by 0
-    for them in ``seq-mean-token-mean`` and count them in ``seq-mean-token-sum``). A mask that is
-    all zero gives a loss of 0 that is still attached to the graph. A float mask acts as weights.
+    Modes:
+        - ``"token-mean"``: sum over masked tokens / ``N``.
+        - ``"seq-mean-token-sum"``: per-sequence sum over its masked tokens, then the mean over
+          the ``S`` sequences.
+        - ``"seq-mean-token-mean"``: per-sequence mean over its masked tokens, then the mean over
+          the ``S`` sequences.
+        - ``"seq-mean-token-sum-norm"``: sum over all masked tokens / (``S`` · ``T``) — Dr. GRPO's
+          constant normaliser, as verl 0.9.1's ``agg_loss`` (per sequence: token sum /
+          ``loss_scale_factor``, then the mean over the batch's sequences) and TRL's ``dr_grpo``
+          (token sum / (sequences × ``max_completion_length``)) define it.
+        - ``"seq-mean-token-sum-norm-legacy"``: sum over all masked tokens / ``T``, without the
+          sequence count — what the verl fork shipped with the official Tree-GRPO code computes
+          (``S`` times the current definition); kept for reproducing that code.
+
+    Sequences whose mask is all zero are left out of ``S`` (verl's ``agg_loss`` excludes fully
+    masked sequences the same way; TRL counts every completion, which never has an empty mask).
+    A mask that is all zero gives a loss of 0 that is still attached to the graph. A float mask
+    acts as weights.
 
     Args:
         loss_mat_B_T: [B, T] per-token losses.
         mask_B_T: [B, T] policy mask.
+        mode: one of :data:`AGG_MODES`.
+        norm: the mini-batch's denominators; ``None``: this batch's own.
 
     Returns:
         a scalar tensor.
@@ -110,18 +176,26 @@ def agg_loss(loss_mat_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: str = "to
     m_B_T = mask_B_T.to(loss_mat_B_T.dtype)
     weighted_B_T = masked_fill_zero(loss_mat_B_T, mask_B_T) * m_B_T
     if mode == "token-mean":
-        return weighted_B_T.sum() / torch.clamp(m_B_T.sum(), min=1e-8)
+        n_tokens = torch.clamp(m_B_T.sum(), min=1e-8) if norm is None else max(norm.n_tokens, 1e-8)
+        return weighted_B_T.sum() / n_tokens
+    horizon = max(loss_mat_B_T.shape[-1] if norm is None else norm.horizon, 1)
+    if mode == "seq-mean-token-sum-norm-legacy":
+        return weighted_B_T.sum() / horizon
+    valid_B = (mask_B_T != 0).any(dim=-1)
+    if norm is None:
+        n_seqs = torch.clamp(valid_B.sum().to(loss_mat_B_T.dtype), min=1.0)
+    else:
+        n_seqs = max(norm.n_seqs, 1.0)
     if mode == "seq-mean-token-sum-norm":
-        return weighted_B_T.sum() / max(loss_mat_B_T.shape[-1], 1)
+        return weighted_B_T.sum() / (n_seqs * horizon)
     count_B = m_B_T.sum(dim=-1)
     seq_B = weighted_B_T.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         seq_B = seq_B / torch.clamp(count_B, min=1e-8)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
-    valid_B = (mask_B_T != 0).any(dim=-1)
     seq_B = torch.where(valid_B, seq_B, torch.zeros_like(seq_B))
-    return seq_B.sum() / torch.clamp(valid_B.sum().to(seq_B.dtype), min=1.0)
+    return seq_B.sum() / n_seqs
 
 
 def masked_mean(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -132,7 +206,7 @@ def masked_mean(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
 # -- policy losses ------------------------------------------------------------------------------
 
 PolicyLossFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig, "LossNormalizers | None"],
     tuple[torch.Tensor, dict[str, float]],
 ]
 
@@ -140,8 +214,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register ``fn(logprobs_B_T, old_logprobs_B_T, advantages_B_T, mask_B_T, cfg)
-    -> (loss scalar, metrics)`` under ``name``."""
+    """Decorator: register ``fn(logprobs_B_T, old_logprobs_B_T, advantages_B_T, mask_B_T, cfg,
+    norm) -> (loss scalar, metrics)`` under ``name``; ``norm`` (:class:`LossNormalizers` or
+    ``None``) is what the loss passes to :func:`agg_loss`."""
 
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
@@ -168,6 +243,7 @@ def ppo_clip_loss(
     advantages_B_T: torch.Tensor,
     mask_B_T: torch.Tensor,
     cfg: LossConfig,
+    norm: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip on the token ratio ``exp(logp - old_logp)``, as verl's ``compute_policy_loss``.
 
@@ -181,6 +257,7 @@ def ppo_clip_loss(
         advantages_B_T: [B, T] per-token advantages.
         mask_B_T: [B, T] policy mask.
         cfg: clip ratios, dual clip and aggregation mode.
+        norm: the mini-batch's aggregation denominators (``None``: this batch's own).
 
     Returns:
         (loss, metrics): the aggregated scalar loss and ``actor/clipfrac`` (tokens where the clip
@@ -209,7 +286,7 @@ def ppo_clip_loss(
     else:
         pg_losses = clipped
         lower = torch.zeros_like(clipped, dtype=torch.bool)
-    loss = agg_loss(pg_losses, mask_B_T, cfg.agg_mode)
+    loss = agg_loss(pg_losses, mask_B_T, cfg.agg_mode, norm)
 
     with torch.no_grad():
         valid = mask_B_T != 0
@@ -251,10 +328,13 @@ def compute_loss(
     mask_B_T: torch.Tensor,
     entropy_B_T: torch.Tensor | None = None,
     cfg: LossConfig | None = None,
+    norm: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total loss: ``policy + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
-    Every term is aggregated with ``cfg.agg_mode`` over the policy mask only.
+    Every term is aggregated with ``cfg.agg_mode`` over the policy mask only. With ``norm`` (the
+    figures of the whole mini-batch this batch is a piece of), the pieces' losses add up to the
+    mini-batch's: sum them (or their gradients) instead of averaging.
 
     Args:
         logprobs_B_T: [B, T] log-probs of the sampled tokens under the policy being trained.
@@ -265,6 +345,7 @@ def compute_loss(
         mask_B_T: [B, T] policy mask (0 on prompt, observation and padding tokens).
         entropy_B_T: [B, T] per-token entropy (e.g. :func:`entropy_from_logits`), or ``None``.
         cfg: the loss options (defaults: :class:`LossConfig`).
+        norm: aggregation denominators (:class:`LossNormalizers`); ``None``: this batch's own.
 
     Returns:
         (loss, metrics): the scalar loss and ``loss/total``, ``loss/policy``, ``loss/kl`` and
@@ -274,7 +355,7 @@ def compute_loss(
     if old_logprobs_B_T is None:
         old_logprobs_B_T = logprobs_B_T.detach()
     policy_loss, metrics = get_policy_loss(cfg.policy_loss)(
-        logprobs_B_T, old_logprobs_B_T, advantages_B_T, mask_B_T, cfg
+        logprobs_B_T, old_logprobs_B_T, advantages_B_T, mask_B_T, cfg, norm
     )
     total = policy_loss
     metrics = {"loss/policy": policy_loss.item(), **metrics}
@@ -285,12 +366,12 @@ def compute_loss(
             masked_fill_zero(ref_logprobs_B_T.detach(), mask_B_T),
             cfg.kl_kind,
         )
-        kl = agg_loss(kl_B_T, mask_B_T, cfg.agg_mode)
+        kl = agg_loss(kl_B_T, mask_B_T, cfg.agg_mode, norm)
         total = total + cfg.kl_coef * kl
         metrics["loss/kl"] = kl.item()
     if entropy_B_T is not None:
         _check_pair(entropy_B_T, mask_B_T, "entropy")
-        ent = agg_loss(masked_fill_zero(entropy_B_T, mask_B_T), mask_B_T, cfg.agg_mode)
+        ent = agg_loss(masked_fill_zero(entropy_B_T, mask_B_T), mask_B_T, cfg.agg_mode, norm)
         total = total - cfg.entropy_coef * ent
         metrics["loss/entropy"] = ent.item()
     metrics["loss/total"] = total.item()

@@ -66,8 +66,8 @@ class Generation:
 
     Attributes:
         tokens: the sampled ids, stop token included, nothing after it.
-        logprobs: log p(token) under the policy at temperature 1 (the model's own distribution,
-            whatever temperature/top-p was used to sample), one per token.
+        logprobs: log p(token) under the policy at the sampling temperature (logits / T, T = 0
+            counting as 1; before top-p), one per token.
         finish_reason: ``"stop"`` (a stop id/string), ``"eos"``, or ``"length"`` (hit the cap).
         prefill_tokens: context tokens the engine actually ran through the model for this request
             (less than the context length when a cached prefix was reused). A prefix shared by

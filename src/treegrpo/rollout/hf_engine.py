@@ -51,9 +51,10 @@ cache was filled (an optimizer step, ``load_state_dict``: detected through the t
 counters), so a stale KV is never reused. Models whose cache layers are not plain
 ``DynamicLayer`` (sliding-window / hybrid caches) run without reuse.
 
-Log-probs and entropies are those of the model's own distribution — ``log_softmax`` of the raw
-logits at temperature 1, without top-p — whatever temperature / top-p was used to draw the token,
-so they are the "old log-probs" a PPO-style trainer needs (:class:`~treegrpo.rollout.engine.Generation`).
+Log-probs and entropies are those of the distribution the token was drawn from — ``log_softmax``
+of the logits at the sampling temperature (logits / T; T = 0, greedy, counts as 1), without top-p —
+so they are the "old log-probs" a PPO-style trainer computing its ratio at T needs
+(:class:`~treegrpo.rollout.engine.Generation`).
 
 The engine takes a loaded model and tokenizer; loading a folder is the caller's job (e.g.
 :func:`treegrpo.models.tiny.load_model` / ``load_tokenizer``), so ``rollout/`` does not depend on
@@ -307,7 +308,8 @@ class HFEngine:
         rows = torch.arange(b, device=device)  # batch row -> original index in this chunk
         for t in range(max_new):
             tok = sample(logits, params.temperature, params.top_p, generator)
-            logp_all = torch.log_softmax(logits, dim=-1)
+            scaled = logits if params.temperature in (0.0, 1.0) else logits / params.temperature
+            logp_all = torch.log_softmax(scaled, dim=-1)  # the distribution drawn from (before top-p)
             out_tokens[rows, t] = tok
             out_logp[rows, t] = logp_all.gather(-1, tok[:, None]).squeeze(-1)
             if out_ent is not None:

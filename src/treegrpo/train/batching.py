@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treegrpo.train.logprobs import logprobs_from_logits
 from treegrpo.tree import Forest
 
 
@@ -99,18 +100,30 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: SequenceBatch,
+    with_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_B_T`` of each input token given the ones before it (0 at t = 0 and on pads);
-    optionally the full-distribution entropy ``entropy_B_T`` at the same positions."""
+    optionally the full-distribution entropy ``entropy_B_T`` at the same positions, both at the
+    sampling ``temperature``. The read-out is
+    :func:`~treegrpo.train.logprobs.logprobs_from_logits` with source position ``t - 1``
+    (``temperature``, ``chunk_tokens``: see there)."""
     out = model(input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T, use_cache=False)
-    logits = out.logits[:, :-1].float()
-    logp_all = torch.log_softmax(logits, dim=-1)
-    tgt = batch.input_ids_B_T[:, 1:]
-    lp = logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-    lp = torch.nn.functional.pad(lp, (1, 0)) * batch.attention_mask_B_T
-    ent = None
-    if with_entropy:
-        e = -(logp_all.exp() * logp_all).sum(-1)
-        ent = torch.nn.functional.pad(e, (1, 0)) * batch.attention_mask_B_T
+    T = batch.input_ids_B_T.shape[1]
+    src_B_T = (torch.arange(T, device=batch.input_ids_B_T.device) - 1).expand_as(batch.input_ids_B_T)
+    lp, ent = logprobs_from_logits(
+        out.logits,
+        src_B_T,
+        batch.input_ids_B_T,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
+    )
+    lp = lp * batch.attention_mask_B_T
+    if ent is not None:
+        ent = ent * batch.attention_mask_B_T
     return lp, ent

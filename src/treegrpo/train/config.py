@@ -7,6 +7,7 @@ one line naming the field and the fix.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,8 +130,15 @@ class TrainConfig(BaseModel):
     )
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="Loss aggregation (verl's modes)."
+    agg_mode: Literal[
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-norm-legacy",
+    ] = Field(
+        "token-mean",
+        description="Loss aggregation (verl's modes; seq-mean-token-sum-norm = Dr. GRPO's token sum / (sequences × T) as verl 0.9.1 and TRL, -legacy = token sum / T as the official Tree-GRPO code's verl fork).",
     )
 
     # -- optimisation ------------------------------------------------------------------------------
@@ -243,6 +251,41 @@ class TrainConfig(BaseModel):
         if self.sampler == "eptree":
             return self.m * (1 + self.n * self.l * self.t)
         return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
+
+
+def single_leaf_groups(cfg: TrainConfig) -> str | None:
+    """Why ``cfg``'s forests give some advantage group a single leaf, or ``None``.
+
+    A one-leaf group has no baseline: GRPO's convention (mean 0, std 1) makes its advantage the raw
+    reward ``r / (1 + eps)``, and TreeRL's values are all 0. That happens when a prompt has one
+    trajectory (chain ``group_size=1``; a tree ``M=1, N·L=0`` is refused outright), and for the
+    intra-tree term (``tree_grpo``, ``intra_only``) when every tree has one leaf: chains (each
+    chain is its own tree) and trees or EPTrees with ``N·L = 0``. Only the built-in estimators
+    are judged.
+    """
+    est = cfg.estimator
+    builtin = ("grpo", "inter_only", "tree_grpo", "intra_only", "treerl")
+    if cfg.trajectories_per_prompt() == 1 and est in builtin:
+        return (
+            f"{cfg.sampler} sampler with one trajectory per prompt: every {est} group has a single leaf, "
+            "so its advantage has no baseline (raise group_size / M / N·L)"
+        )
+    if est in ("tree_grpo", "intra_only"):
+        branches = cfg.t if cfg.sampler == "eptree" else 1
+        per_tree = 1 if cfg.sampler == "chain" else 1 + cfg.n * cfg.l * branches
+        if per_tree == 1:
+            return (
+                f"{cfg.sampler} sampler with one leaf per tree: the intra-tree group of {est} has a single "
+                "leaf, so that term has no baseline (use grpo/inter_only, or N·L > 0)"
+            )
+    return None
+
+
+def warn_single_leaf_groups(cfg: TrainConfig) -> None:
+    """``warnings.warn`` (a UserWarning, shown once) when :func:`single_leaf_groups` finds one."""
+    why = single_leaf_groups(cfg)
+    if why is not None:
+        warnings.warn(f"single-leaf advantage groups: {why}", UserWarning, stacklevel=2)
 
 
 def _one_line(err: ValidationError) -> str:

@@ -33,7 +33,7 @@ from treegrpo.train.checkpoint import (
     resume_config,
     save_run,
 )
-from treegrpo.train.config import TrainConfig
+from treegrpo.train.config import TrainConfig, warn_single_leaf_groups
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line
@@ -105,6 +105,7 @@ def train(
     """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given;
     ``eval_start`` is the starting policy's held-out evaluation when the caller already has it
     (evaluation is deterministic, so runs from one model can share it)."""
+    warn_single_leaf_groups(cfg)  # their advantage has no baseline
     console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)

@@ -16,6 +16,12 @@ per model by a probe — a small packed forward compared with the per-path forwa
 — so a model that raises *and* one that silently ignores the mask (or the position ids) are both
 caught; the fallback is logged in one line.
 
+Every log-prob — old, current and reference, packed or per path — is computed at the rollout's
+sampling temperature ``cfg.temperature`` (logits / T, as verl; greedy T = 0 counts as 1), so the
+PPO ratio compares the distributions the tokens were drawn from. ``rollout/logprob_diff`` in the
+returned metrics is the mean |engine log-prob − trainer log-prob| over policy path-tokens, the
+trainer's taken before any optimizer step (a check that rollout and training agree).
+
 Both implementations split the batch's paths into ``cfg.mini_batches`` contiguous chunks in
 ``forest_sequences`` order (whole forests stay together, so packing keeps its sharing) and take one
 optimizer step per chunk; for a given configuration they compute the same update.
@@ -29,9 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.algos.losses import LossConfig, LossNormalizers, compute_loss
 from treegrpo.train.batching import (
-    SequenceBatch,
     TrainSequence,
     collate,
     forest_sequences,
@@ -39,14 +44,10 @@ from treegrpo.train.batching import (
     token_logprobs,
 )
 from treegrpo.train.config import TrainConfig
-from treegrpo.train.packing import (
-    PACKABLE_POLICY_LOSSES,
-    PackedBatch,
-    attention_pair_cost,
-    pack_forests,
-    packed_logprobs,
-    packed_loss,
-)
+from treegrpo.train.logprobs import effective_temperature
+from treegrpo.train.packing.forward import attention_pair_cost, packed_logprobs
+from treegrpo.train.packing.layout import PackedBatch, pack_forests
+from treegrpo.train.packing.loss import PACKABLE_POLICY_LOSSES, packed_loss
 from treegrpo.tree import Forest
 
 _log = logging.getLogger("treegrpo.train")
@@ -80,7 +81,8 @@ def update(
         log: where the one-line packing fallback notice goes (default: the ``treegrpo.train`` logger).
 
     Returns:
-        metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0).
+        metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0) and
+        ``rollout/logprob_diff``.
     """
     if wants_packing(cfg, loss_cfg) and packing_supported(
         model, forests, pad_id, cfg.device, strict=cfg.packing == "on", log=log
@@ -208,7 +210,8 @@ def update_packed(
     per-micro-batch share is needed). Old log-probs (``cfg.mini_batches > 1``) and reference
     log-probs are computed packed, per packed token, before the first step. A forest is one row
     unless the model's dense attention over a long row would cost more than its sharing saves
-    (:func:`~treegrpo.train.packing.attention_pair_cost`, :func:`~treegrpo.train.packing.split_rows`)."""
+    (:func:`~treegrpo.train.packing.forward.attention_pair_cost`,
+    :func:`~treegrpo.train.packing.rows.split_rows`)."""
     model.train()
     offsets, n_paths = [], 0
     for f in forests:
@@ -234,11 +237,13 @@ def update_packed(
             )
         )
     # Old log-probs: with one optimizer step per batch the policy has not moved (ratio 1).
-    old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device)
-    ref = _plan_logprobs(ref_model, plans, cfg.device) if ref_model is not None else None
+    temp = effective_temperature(cfg.temperature)
+    old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device, temp)
+    ref = _plan_logprobs(ref_model, plans, cfg.device, temp) if ref_model is not None else None
     n = len(plans)
     sums: dict[str, float] = {}
     tokens_paths = tokens_packed = 0
+    diff_sum = diff_count = 0.0
 
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value / n
@@ -248,7 +253,11 @@ def update_packed(
         ratio_max = 0.0
         for j, mb in enumerate(plan):
             mb = mb.to(cfg.device)
-            lp, ent = packed_logprobs(model, mb, with_entropy=True)
+            lp, ent = packed_logprobs(model, mb, with_entropy=True, temperature=temp)
+            with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
+                before = old[k][j] if old is not None else lp
+                diff_sum += float(((mb.sample_logprobs_B_L - before).abs() * mb.count_B_L).sum())
+                diff_count += float(mb.count_B_L.sum())
             loss, m = packed_loss(
                 lp,
                 mb,
@@ -273,18 +282,26 @@ def update_packed(
     model.eval()
     sums["update/tokens_paths"] = float(tokens_paths)  # what a per-path update would compute
     sums["update/tokens_packed"] = float(tokens_packed)
+    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
     return sums
 
 
 @torch.no_grad()
 def _plan_logprobs(
-    model: torch.nn.Module, plans: Sequence[Sequence[PackedBatch]], device: str | torch.device
+    model: torch.nn.Module,
+    plans: Sequence[Sequence[PackedBatch]],
+    device: str | torch.device,
+    temperature: float,
 ) -> list[list[torch.Tensor]]:
-    """``logprobs_B_L`` of every packed micro-batch of every mini-batch, in eval mode."""
+    """``logprobs_B_L`` of every packed micro-batch of every mini-batch at ``temperature``, in
+    eval mode."""
     was_training = model.training
     model.eval()
     try:
-        return [[packed_logprobs(model, mb.to(device))[0] for mb in plan] for plan in plans]
+        return [
+            [packed_logprobs(model, mb.to(device), temperature=temperature)[0] for mb in plan]
+            for plan in plans
+        ]
     finally:
         model.train(was_training)
 
@@ -299,56 +316,62 @@ def update_paths(
     pad_id: int,
 ) -> dict[str, float]:
     """PPO-clip over ``cfg.mini_batches`` optimizer steps, one padded row per path; each
-    mini-batch's loss is accumulated over token-capped micro-batches, each weighted by its share of
-    the mini-batch (policy tokens for ``token-mean``, sequences with policy tokens for the
-    ``seq-mean`` modes) so the sum equals the whole-mini-batch loss."""
+    mini-batch's loss is accumulated over token-capped micro-batches, each aggregated with the
+    mini-batch's :class:`~treegrpo.algos.losses.LossNormalizers` (policy tokens, sequences with
+    policy tokens, longest path) so the sum equals the whole-mini-batch loss in every mode."""
     model.train()
     minis = split_minibatches(len(seqs), cfg.mini_batches)
     # Old log-probs: with one optimizer step per batch the policy has not moved, so the ratio is 1
     # and old = current (detached); otherwise they are recomputed before any step.
     old = None if cfg.mini_batches == 1 else _precompute_logprobs(model, seqs, cfg, pad_id)
     ref = _precompute_logprobs(ref_model, seqs, cfg, pad_id) if ref_model is not None else None
+    temp = effective_temperature(cfg.temperature)
     sums: dict[str, float] = {}
+    diff_sum = diff_count = 0.0
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value / len(minis)
+
     for mini in minis:
         mini_seqs = [seqs[i] for i in mini]
-        total_tokens = sum(sum(s.policy_mask) for s in mini_seqs)
-        total_valid = sum(1 for s in mini_seqs if any(s.policy_mask))
+        norm = LossNormalizers.of(s.policy_mask for s in mini_seqs)
         optimizer.zero_grad(set_to_none=True)
+        ratio_max = 0.0
         for local in micro_batches([len(s.tokens) for s in mini_seqs], cfg.micro_batch_tokens):
             ids = [mini[j] for j in local]
             mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-            lp, ent = token_logprobs(model, mb, with_entropy=True)
+            lp, ent = token_logprobs(model, mb, with_entropy=True, temperature=temp)
+            old_lp = _gather(old, ids, lp)
+            with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
+                before = old_lp if old_lp is not None else lp
+                pm = mb.policy_mask_B_T
+                diff_sum += float(((mb.sample_logprobs_B_T - before).abs() * pm).sum())
+                diff_count += float(pm.sum())
             loss, m = compute_loss(
                 lp,
-                _gather(old, ids, lp),
+                old_lp,
                 _gather(ref, ids, lp),
                 mb.advantages_B_T,
                 mb.policy_mask_B_T,
                 ent if loss_cfg.entropy_coef > 0 else None,
                 loss_cfg,
+                norm,
             )
-            share = _share(mb, loss_cfg.agg_mode, total_tokens, total_valid)
-            (loss * share).backward()
+            loss.backward()
+            # loss/* are this micro-batch's share already; actor/* are its token means
+            token_share = float(mb.policy_mask_B_T.sum()) / max(norm.n_tokens, 1.0)
+            ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * share / len(minis)
+                add(k, v if k.startswith("loss/") else v * token_share)
             with torch.no_grad():
-                pm = mb.policy_mask_B_T
-                sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float((ent * pm).sum()) / max(
-                    1, total_tokens
-                ) / len(minis)
+                add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
+        add("actor/ratio_max", ratio_max)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / len(minis)
+        add("actor/grad_norm", float(grad_norm))
     model.eval()
+    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
     return sums
-
-
-def _share(mb: SequenceBatch, agg_mode: str, total_tokens: int, total_valid: int) -> float:
-    """The micro-batch's share of its mini-batch: policy tokens (token-mean) or sequences with at
-    least one policy token (seq-mean modes, which leave empty sequences out of their mean)."""
-    if agg_mode == "token-mean":
-        return float(mb.policy_mask_B_T.sum()) / max(1, total_tokens)
-    return float((mb.policy_mask_B_T != 0).any(dim=-1).sum()) / max(1, total_valid)
 
 
 def _gather(table: dict[int, torch.Tensor] | None, ids: list[int], like: torch.Tensor) -> torch.Tensor | None:
@@ -370,7 +393,7 @@ def _precompute_logprobs(
     out: dict[int, torch.Tensor] = {}
     for ids in micro_batches([len(s.tokens) for s in seqs], cfg.micro_batch_tokens):
         mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-        lp, _ = token_logprobs(model, mb)
+        lp, _ = token_logprobs(model, mb, temperature=effective_temperature(cfg.temperature))
         for row, i in enumerate(ids):
             out[i] = lp[row, : len(seqs[i].tokens)]
     model.train(was_training)
