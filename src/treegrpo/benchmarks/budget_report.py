@@ -114,7 +114,7 @@ def forest_counts(forests: Sequence[Forest]) -> dict[str, Any]:
                 steps += 1
                 gen += g
                 tools += t
-                ctx_tokens += sum(len(p.tokens) for p in tree.path(nd.parent))
+                ctx_tokens += len(tree.context(nd.parent))
                 ph = phases["init" if nd.id in init else "expand"]
                 ph["generated_tokens"] += g
                 ph["tool_calls"] += t
