@@ -46,3 +46,49 @@ def test_overlong_prompt_trains_without_nan(tiny_model_dir: Path, tmp_path: Path
         (lf,) = [f for f in forests if f["prompt_id"] == "long"]
         assert all(n["extra"]["finish_reason"] == "length" if "extra" in n else n.get("finish_reason") == "length"
                    for t in lf["trees"] for n in t["nodes"][1:])
+
+
+def test_failing_searches_and_overflows_are_warned(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from treegrpo.retrieval.base import RetrievalError
+
+    class DeadRetriever:
+        def retrieve(self, queries, topk):
+            raise RetrievalError("connection refused")
+
+    long = Task("long", "where is " + "city1 " * 300 + "?", ["country1"])
+    tasks = [Task(f"q{i}", f"where is city{i}?", [f"country{i % 3}"]) for i in range(3)]
+    parts = RunParts(
+        model_dir=tiny_model_dir,
+        model=load_model(tiny_model_dir),
+        tokenizer=load_tokenizer(tiny_model_dir),
+        env=SearchEnv(DeadRetriever(), topk=1, prompt_template="minimal"),  # type: ignore[arg-type]
+        train_tasks=[long, *tasks],
+        eval_tasks=tasks[:1],
+        agent_cfg=AgentConfig(max_turns=2, max_step_tokens=12, max_obs_tokens=24, max_context_tokens=200),
+        extra_files={MARKER_FILE: (tiny_model_dir / MARKER_FILE).read_text()},
+        info={},
+    )
+    buf = io.StringIO()
+    cfg = make_config({"steps": 2, "prompts_per_step": 4, "eval_every": 0, "out_dir": str(tmp_path / "r"), "tensorboard": False})
+    train(cfg, console=Console(file=buf, width=300), parts=parts)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["budget/context_overflows"] == 2 * (1 + 2)  # M trees x (1 + N·L) leaves of the long prompt
+    text = buf.getvalue()
+    assert "ended before their first step" in text
+    searches_failed = any(r.get("budget/retrieval_errors", 0) > 0.05 * r.get("budget/tool_calls", 0) > 0 for r in rows)
+    assert ("searches failed this step" in text) == searches_failed
+
+
+def test_step_warnings() -> None:
+    from treegrpo.train.report import step_warnings
+
+    quiet = {"budget/retrieval_errors": 0, "budget/tool_calls": 10, "budget/context_overflows": 0}
+    assert step_warnings(quiet) == []
+    (w,) = step_warnings({**quiet, "budget/retrieval_errors": 3})
+    assert "3 of 10 searches failed" in w
+    (w,) = step_warnings({**quiet, "budget/context_overflows": 2})
+    assert "2 trajectories ended before their first step" in w

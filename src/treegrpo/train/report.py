@@ -3,6 +3,7 @@ lines (:func:`run_shape`, :func:`fmt_eval`, :func:`step_line`)."""
 
 from __future__ import annotations
 
+from treegrpo.retrieval.base import retrieval_error_warning
 from treegrpo.rollout.agent import RolloutResult
 from treegrpo.train.config import TrainConfig
 
@@ -30,6 +31,7 @@ def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
         "budget/engine_calls": result.engine_calls,
         "budget/invalid_actions": b.invalid_actions,
         "budget/retrieval_errors": b.retrieval_errors,
+        "budget/context_overflows": b.context_overflows,
         "budget/tool_calls_per_traj": b.tool_calls / max(1, n_traj),
         "budget/traj_per_1k_tokens": 1000.0 * n_traj / max(1, b.generated_tokens),
     }
@@ -66,4 +68,19 @@ def step_line(step: int, m: dict[str, float]) -> str:
     return line
 
 
-__all__ = ["fmt_eval", "rollout_metrics", "run_shape", "step_line"]
+def step_warnings(m: dict[str, float]) -> list[str]:
+    """Console warnings a step's metrics call for (plain text, one line each): searches failing
+    (:func:`~treegrpo.retrieval.base.retrieval_error_warning`), prompts that did not fit the context."""
+    out = []
+    retrieval = retrieval_error_warning(int(m["budget/retrieval_errors"]), int(m["budget/tool_calls"]))
+    if retrieval:
+        out.append(retrieval)
+    if m.get("budget/context_overflows"):
+        out.append(
+            f"warning: {int(m['budget/context_overflows'])} trajectories ended before their first step: the "
+            "prompt leaves no room for a step within max_context_tokens (raise it or shorten the prompts)"
+        )
+    return out
+
+
+__all__ = ["fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings"]

@@ -36,7 +36,7 @@ from treegrpo.train.checkpoint import (
 from treegrpo.train.config import TrainConfig, warn_single_leaf_groups
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
-from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line
+from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
 from treegrpo.train.setup import RunParts, build_run
 from treegrpo.train.update import update
 from treegrpo.tree import write_forests
@@ -221,6 +221,8 @@ def train(
                     score_forest(f, estimator, adv_cfg)
                 write_forests(result.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
             console.print(step_line(step, metrics))
+            for warning in step_warnings(metrics):
+                console.print(warning, markup=False, style="yellow")
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.wall_s = wall_before + time.perf_counter() - t_start
                 save_run(out / CHECKPOINT_DIR, run, model, tok, optimizer, cfg, parts.extra_files)
