@@ -92,3 +92,31 @@ def test_step_warnings() -> None:
     assert "3 of 10 searches failed" in w
     (w,) = step_warnings({**quiet, "budget/context_overflows": 2})
     assert "2 trajectories ended before their first step" in w
+
+
+def test_non_finite_reward_stops_with_the_prompt_and_reward_function(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import pytest
+
+    from treegrpo.errors import ConfigError
+
+    class NaNEnv(SearchEnv):
+        def score(self, task, step):  # every trajectory that ends without an answer
+            return float("nan")
+
+        def answer_reward(self, task, step, answer, history):
+            return float("nan")
+
+    parts = RunParts(
+        model_dir=tiny_model_dir,
+        model=load_model(tiny_model_dir),
+        tokenizer=load_tokenizer(tiny_model_dir),
+        env=NaNEnv(BM25Retriever(DOCS), topk=1, prompt_template="minimal", metric="f1"),
+        train_tasks=[Task("q1", "where is city1?", ["country1"])],
+        eval_tasks=[Task("q2", "where is city2?", ["country2"])],
+        agent_cfg=AgentConfig(max_turns=1, max_step_tokens=8, max_obs_tokens=16, max_context_tokens=200),
+        extra_files={MARKER_FILE: (tiny_model_dir / MARKER_FILE).read_text()},
+        info={},
+    )
+    cfg = make_config({"steps": 1, "prompts_per_step": 1, "eval_every": 0, "out_dir": str(tmp_path / "r"), "tensorboard": False, "eval_sampled": False})
+    with pytest.raises(ConfigError, match=r"prompt 'q1'.*not finite.*reward function: f1"):
+        train(cfg, parts=parts)

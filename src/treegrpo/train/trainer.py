@@ -19,6 +19,7 @@ from rich.console import Console
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
 from treegrpo.algos.losses import LossConfig
+from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
@@ -187,7 +188,7 @@ def train(
             result: RolloutResult = sampler(runner, tasks, sampler_cfg, run.pick_rng, run.gen)
             t1 = time.perf_counter()
             # 2. advantages, through the registry; one training sequence per leaf
-            advs = [token_advantages(f, estimator, adv_cfg) for f in result.forests]
+            advs = _advantages(result, estimator, adv_cfg, parts.env)
             n_traj = sum(f.n_trajectories() for f in result.forests)
             # 3. policy update: packed (each shared token once) or per path, see train/update.py
             metrics = update(
@@ -245,6 +246,17 @@ def _finished(out: Path, cfg: TrainConfig, ck: Checkpoint, console: Console) -> 
         summary = TrainSummary.of_run(out, cfg.steps, ck.run)
         atomic_write_json(out / "summary.json", summary.to_dict())
     return summary
+
+
+def _advantages(result: RolloutResult, estimator: str, adv_cfg: AdvantageConfig, env: Any) -> list[Any]:
+    """Per-token advantages of every forest, through the estimator registry. A reward the
+    estimator rejects (missing, NaN, inf) stops the run with one line naming the prompt, the leaf
+    and the reward function that produced it."""
+    try:
+        return [token_advantages(f, estimator, adv_cfg) for f in result.forests]
+    except ValueError as e:
+        reward_fn = getattr(env, "metric", None) or type(env).__name__
+        raise ConfigError(f"{e} (reward function: {reward_fn})") from None
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
