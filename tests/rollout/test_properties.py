@@ -98,7 +98,7 @@ class EOSEngine(ScriptedEngine):
         for g in out:
             if eos in g.tokens:
                 k = g.tokens.index(eos) + 1
-                g.tokens, g.logprobs, g.finish_reason = g.tokens[:k], g.logprobs[:k], "stop"
+                g.tokens, g.logprobs, g.finish_reason = g.tokens[:k], g.logprobs[:k], "eos"
         return out
 
 
@@ -124,6 +124,8 @@ def _check_forests(res, runner: StepRunner, n_trees: int, leaves_per_tree: int |
                 assert n_pol <= cfg.max_step_tokens
                 assert node.extra["turn"] <= cfg.max_turns + 1
                 total_gen += n_pol
+                if node.tokens and node.tokens[n_pol - 1 : n_pol] == [runner.tokenizer.eos_token_id]:
+                    assert tree.is_leaf(node.id) and n_pol == len(node.tokens)  # nothing after EOS
             for leaf in tree.leaves():
                 assert leaf.reward is not None and math.isfinite(leaf.reward)
                 assert len(tree.context(leaf.id)) <= cfg.max_context_tokens
@@ -177,3 +179,18 @@ def test_prompt_longer_than_the_context_budget_is_a_counted_leaf(tok, sampler: s
     assert res.budgets[0].generated_tokens == 0 and res.budgets[0].engine_requests == 0
     assert res.budgets[1].context_overflows == 0 and res.budgets[1].generated_tokens > 0
     parse_forest(long_forest.to_json())
+
+
+def test_eos_without_an_action_ends_the_trajectory(tok) -> None:
+    """An instruct model ends its turn with EOS and no action: a leaf (reward of an unanswered
+    end), no invalid-action text after EOS, no further generation from that context."""
+    eos = tok.decode([tok.eos_token_id])
+    engine = EOSEngine(tok, lambda ctx, draw: f"<think> done </think> paris{eos} <search> x </search>")
+    env = SearchEnv(BM25Retriever(DOCS), topk=1, prompt_template="minimal")
+    runner = StepRunner(engine, env, tok, AgentConfig(max_turns=3, max_step_tokens=24, max_obs_tokens=24, max_context_tokens=200))
+    res = get_sampler("chain")(runner, TASKS[:1], SamplerConfig("chain", group_size=2), random.Random(0), torch.Generator().manual_seed(0))
+    assert len(engine.calls) == 1  # one turn: nothing was generated after EOS
+    for tree in res.forests[0].trees:
+        (leaf,) = tree.leaves()
+        assert leaf.parent == 0 and leaf.tokens[-1] == tok.eos_token_id and leaf.observation is None
+        assert leaf.extra["finish_reason"] == "eos" and leaf.reward == 0.0 and all(leaf.policy_mask)

@@ -6,7 +6,10 @@ prompts together — one :meth:`Engine.generate` call per turn, one batched tool
 and grows the trees in place: each step becomes a node whose tokens are the ids the engine
 sampled followed by the observation ids (tokenized once, here). A trajectory ends in a leaf with a
 reward when it answers, hits the turn limit (after one final turn without search), or runs out of
-context; malformed actions get Search-R1's "invalid action" observation (DESIGN.md §3).
+context; malformed actions get Search-R1's "invalid action" observation (DESIGN.md §3). A step that
+ends with EOS and no action ends its trajectory there (a leaf scored like any unanswered end):
+nothing is ever generated or appended after EOS within a turn — an instruct model's end-of-turn
+token is not followed by an invalid-action text outside any chat turn.
 """
 
 from __future__ import annotations
@@ -218,6 +221,8 @@ class StepRunner:
                 obs_ids: list[int] = []
                 obs_text = out.observation
                 done, reward = out.done, out.reward
+                if not done and g.finish_reason == "eos":  # the turn ended without an action (DESIGN §3.8):
+                    done, reward, obs_text = True, self.env.score(c.task, text), None  # nothing follows EOS
                 if not done:
                     obs_ids = list(self.tokenizer.encode(out.observation or "", add_special_tokens=False))
                     if len(obs_ids) > self.cfg.max_obs_tokens:
