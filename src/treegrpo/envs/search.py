@@ -14,7 +14,7 @@ agent loop passes each trajectory's earlier ``(step text, observation)`` pairs t
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from treegrpo.envs.base import StepOutcome, Task
@@ -47,6 +47,45 @@ History = Sequence[tuple[str, str | None]]
 def information(text: str) -> str:
     """Search-R1's observation wrapper."""
     return f"\n\n<information>{text.strip()}</information>\n\n"
+
+
+_DOC_START = re.compile(r"(?=Doc \d+\(Title:)")
+_INFORMATION = re.compile(r"^(\s*<information>)(.*)(</information>\s*)$", re.DOTALL)
+
+
+def fit_observation(observation: str, count: Callable[[str], int], max_tokens: int) -> str | None:
+    """``observation`` cut to at most ``max_tokens`` (as ``count`` measures text) with its structure
+    kept: the ``<information>`` block stays closed, whole passages are kept while they fit (``Doc
+    i(Title: t) …`` boundaries), and only when not even the first passage fits is it cut, at a word
+    boundary, with `` …`` marking the cut. ``None`` when not even an empty block fits (the caller
+    then cuts tokens). An observation that fits is returned unchanged."""
+    if count(observation) <= max_tokens:
+        return observation
+    m = _INFORMATION.match(observation)
+    if m is None:
+        return None
+    head, body, tail = m.groups()
+    docs = [d for d in _DOC_START.split(body.strip()) if d.strip()]
+
+    def wrap(parts: Sequence[str]) -> str:
+        return head + "\n".join(p.strip() for p in parts) + tail
+
+    if count(wrap([])) > max_tokens:
+        return None
+    kept = 0
+    while kept < len(docs) and count(wrap(docs[: kept + 1])) <= max_tokens:
+        kept += 1
+    if kept:
+        return wrap(docs[:kept])
+    words = docs[0].split() if docs else []
+    lo, hi = 0, len(words)  # the most words of the first passage that fit, with the cut marked
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(wrap([" ".join(words[:mid]) + " …"])) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return wrap([" ".join(words[:lo]) + " …"]) if lo else wrap([])
 
 
 def parse_action(step: str) -> tuple[str | None, str]:
@@ -101,6 +140,10 @@ class SearchEnv:
 
     def prompt(self, task: Task) -> str:
         return self._template.format(question=task.question.strip())
+
+    def fit_observation(self, observation: str, count: Callable[[str], int], max_tokens: int) -> str | None:
+        """A too-long observation shortened with its structure kept (:func:`fit_observation`)."""
+        return fit_observation(observation, count, max_tokens)
 
     def score(self, task: Task, step: str) -> float:
         """A trajectory that ends without an answer scores 0."""

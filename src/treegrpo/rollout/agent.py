@@ -156,6 +156,25 @@ class StepRunner:
             extra["data_source"] = task.data_source
         return Forest(task.id, trees, extra)
 
+    # -- observations ----------------------------------------------------------------------------
+    def observation_ids(self, observation: str) -> tuple[str, list[int]]:
+        """The observation as kept (text, ids), tokenized once: at most ``max_obs_tokens`` ids. An
+        env with ``fit_observation`` (the search env) shortens a long one keeping its structure
+        (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut."""
+        ids = list(self.tokenizer.encode(observation, add_special_tokens=False))
+        cap = self.cfg.max_obs_tokens
+        if len(ids) <= cap:
+            return observation, ids
+        fit = getattr(self.env, "fit_observation", None)
+        if fit is not None:
+            text = fit(observation, lambda t: len(self.tokenizer.encode(t, add_special_tokens=False)), cap)
+            if text is not None:
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if len(ids) <= cap:
+                    return text, ids
+        ids = ids[:cap]
+        return self.tokenizer.decode(ids, skip_special_tokens=False), ids
+
     # -- the context budget ----------------------------------------------------------------------
     def has_room(self, context: Sequence[int]) -> bool:
         """Whether a step of up to ``max_step_tokens`` still fits after ``context``."""
@@ -224,10 +243,7 @@ class StepRunner:
                 if not done and g.finish_reason == "eos":  # the turn ended without an action (DESIGN §3.8):
                     done, reward, obs_text = True, self.env.score(c.task, text), None  # nothing follows EOS
                 if not done:
-                    obs_ids = list(self.tokenizer.encode(out.observation or "", add_special_tokens=False))
-                    if len(obs_ids) > self.cfg.max_obs_tokens:
-                        obs_ids = obs_ids[: self.cfg.max_obs_tokens]
-                        obs_text = self.tokenizer.decode(obs_ids, skip_special_tokens=False)
+                    obs_text, obs_ids = self.observation_ids(out.observation or "")
                     room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
                     if room > self.cfg.max_context_tokens:  # no room for another step: end here
                         done, reward, obs_ids, obs_text = True, self.env.score(c.task, text), [], None

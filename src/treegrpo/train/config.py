@@ -102,8 +102,16 @@ class TrainConfig(BaseModel):
     )
     max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
     max_step_tokens: int = Field(48, ge=1, description="Per-step generation cap (tokens).")
-    max_obs_tokens: int = Field(160, ge=1, description="Observation tokens kept per step.")
-    max_context_tokens: int = Field(1024, ge=16, description="Longest context a trajectory may reach.")
+    max_obs_tokens: int = Field(
+        600,
+        ge=1,
+        description="Observation tokens kept per step; a longer one keeps whole passages and a closed </information> (600 fits topk=3 wiki-vital passages for SmolLM2's tokenizer: p99 556). A bootstrapped tiny agent uses the limit it was taught with unless this is set.",
+    )
+    max_context_tokens: int = Field(
+        3072,
+        ge=16,
+        description="Longest context a trajectory may reach (capped by the model's positions; a tiny agent: its recorded limit unless set).",
+    )
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
     engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
