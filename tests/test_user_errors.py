@@ -151,3 +151,10 @@ def test_model_errors_reach_the_cli_as_one_line(tiny_model_dir: Path, tmp_path: 
 def test_missing_model_folder(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="no such folder"):
         load_pretrained(tmp_path / "nope")
+
+
+def test_a_real_model_without_data_says_what_to_pass(tiny_model_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_model_dir, tmp_path / "m")
+    (d / "treegrpo_tiny.json").unlink()  # no longer a bootstrapped tiny agent: a "real" model
+    line = _cli_error("train", "--model", str(d), "--out-dir", str(tmp_path / "r"), "--steps", "1")
+    assert "--data" in line and "wiki-vital" in line

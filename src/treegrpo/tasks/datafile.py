@@ -20,6 +20,9 @@ string, and Search-R1's raw ``golden_answers`` is accepted in its place.
 Any problem raises :class:`DataError` (a :class:`~treegrpo.errors.ConfigError`, shown by the
 CLI as one line) naming the file, the row (1-based) and the field.
 
+Built-in sets (:data:`BUILTIN_QUESTION_SETS`) are named instead of a file: ``wiki-vital-qa``
+(:mod:`treegrpo.tasks.wikiqa`), with its own train/eval split.
+
 As a run's task family (:data:`DATAFILE`): the file's questions (the last slice held out unless
 ``--eval-data`` is given), searched with the configured retriever (``--corpus`` in process or a
 Search-R1 server at ``--retriever-url``); with no ``--model`` the search world's tiny agent.
@@ -28,7 +31,7 @@ Search-R1 server at ``--retriever-url``); with no ``--model`` the search world's
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +41,14 @@ from treegrpo.errors import ConfigError
 from treegrpo.models.loader import LoadedModel
 from treegrpo.retrieval.factory import make_retriever
 from treegrpo.tasks.base import TaskFamily, TaskSource
+from treegrpo.tasks.wikiqa import NAME as WIKIQA
+from treegrpo.tasks.wikiqa import Split, wiki_vital_qa
 from treegrpo.tasks.world.task import starting_model as world_starting_model
 from treegrpo.train.config import TrainConfig
 
 QUESTION_MARKER = "Question:"
+#: Built-in question sets a run names instead of a file: name -> split -> tasks.
+BUILTIN_QUESTION_SETS: dict[str, Callable[[Split], list[Task]]] = {WIKIQA: wiki_vital_qa}
 
 
 class DataError(ConfigError):
@@ -195,10 +202,13 @@ def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
     """The questions of ``cfg.data`` (held-out: ``cfg.eval_data`` or the file's last slice) and a
     search env over the configured retriever; the prompt template defaults to ``minimal`` for the
     tiny agent and ``search_r1`` otherwise."""
-    tasks = load_tasks(cfg.data)  # type: ignore[arg-type]
-    if cfg.eval_data:
-        eval_tasks = load_tasks(cfg.eval_data)
+    if cfg.data in BUILTIN_QUESTION_SETS:  # a built-in set comes with its own held-out split
+        tasks = BUILTIN_QUESTION_SETS[cfg.data]("train")
+        eval_tasks = load_tasks(cfg.eval_data) if cfg.eval_data else BUILTIN_QUESTION_SETS[cfg.data]("eval")
+    elif cfg.eval_data:
+        tasks, eval_tasks = load_tasks(cfg.data), load_tasks(cfg.eval_data)  # type: ignore[arg-type]
     else:  # hold out the last slice of the data
+        tasks = load_tasks(cfg.data)  # type: ignore[arg-type]
         k = max(1, min(cfg.eval_prompts, len(tasks) // 5))
         if len(tasks) < 2:
             raise ConfigError(f"{cfg.data}: needs at least 2 questions to hold some out, or pass --eval-data")

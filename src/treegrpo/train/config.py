@@ -40,7 +40,8 @@ class TrainConfig(BaseModel):
         None, description="Override the world preset's seed (a different world of the same kind)."
     )
     data: str | None = Field(
-        None, description="Training questions: Search-R1/verl parquet or JSONL {id, question, answers}."
+        None,
+        description="Training questions: Search-R1/verl parquet, JSONL {id, question, answers}, or a built-in set (wiki-vital-qa: with --corpus wiki-vital).",
     )
     eval_data: str | None = Field(
         None,

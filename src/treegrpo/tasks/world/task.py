@@ -23,7 +23,15 @@ def starting_model(cfg: TrainConfig) -> Path:
 
 
 def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
-    """The preset's world searched with BM25; the ``minimal`` prompt unless the config names one."""
+    """The preset's world searched with BM25; the ``minimal`` prompt unless the config names one.
+    Only a bootstrapped tiny agent knows the fictional world's protocol: any other model is an
+    error that says what to pass instead (questions and a retriever)."""
+    if not model.is_tiny:
+        raise ConfigError(
+            f"--model {cfg.model}: without --data the run trains on the synthetic world, which only a "
+            "bootstrapped tiny agent is taught; give questions and a retriever, e.g. "
+            "--data wiki-vital-qa --corpus wiki-vital (built in) or --data FILE.parquet --retriever-url URL"
+        )
     if cfg.preset not in PRESETS:
         raise ConfigError(f"unknown world preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
     wcfg = PRESETS[cfg.preset]
