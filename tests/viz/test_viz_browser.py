@@ -130,3 +130,19 @@ def test_thousand_forests_open_under_two_seconds(page: Any, tmp_path: Path) -> N
     page.screenshot(path=str(shot))
     artifact(shot)
     assert page.errors == []
+
+
+def test_token_tree_shows_rounds_and_fork_points(page: Any, tmp_path: Path) -> None:
+    from test_viz_page import eptree_forest
+
+    src = tmp_path / "eptree.jsonl"
+    write_forests([eptree_forest()], src)
+    html, _ = write_view(src)
+    open_view(page, html)
+    labels = page.eval_on_selector_all("#canvas g.node > text:not(.lbl)", "els => els.map(e => e.textContent)")
+    assert sorted(labels) == ["0", "0", "1", "1", "Q"]  # root, head + tail (round 0), two branches
+    assert page.locator("#canvas circle.fork").count() == 1
+    assert "fork point" in page.inner_text("#legend")
+    node(page, 0, 3).click()
+    assert "round\t1" in page.inner_text("#detail") and "context before\t5 tok" in page.inner_text("#detail")
+    assert page.errors == []

@@ -110,7 +110,7 @@ def load_run(folder: str | Path) -> RunSeries:
     return RunSeries(folder, run_label(folder, config if isinstance(config, dict) else {}), rows)
 
 
-def _draw(ax: Any, panel: Panel, runs: list[RunSeries], x: Literal["tokens", "step"]) -> bool:
+def _draw(ax: Any, panel: Panel, runs: list[RunSeries], x: Literal["tokens", "step"], legend: bool = True) -> bool:
     import matplotlib.pyplot as plt
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -132,7 +132,7 @@ def _draw(ax: Any, panel: Panel, runs: list[RunSeries], x: Literal["tokens", "st
         ax.set_ylabel(panel.ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if legend and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     return drawn
 
@@ -169,8 +169,8 @@ def plot_runs(
         cols = 3 if len(have) > 4 else 2
         rows = -(-len(have) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.9 * rows), squeeze=False)
-        for ax, panel in zip(axes.flat, have, strict=False):
-            _draw(ax, panel, runs, x)
+        for k, (ax, panel) in enumerate(zip(axes.flat, have, strict=False)):
+            _draw(ax, panel, runs, x, legend=k == 0 or len(panel.series) > 1)  # runs: once; series: where several
         for ax in list(axes.flat)[len(have) :]:
             ax.axis("off")
         fig.suptitle(" vs ".join(r.label for r in runs) if len(runs) <= 3 else f"{len(runs)} runs", fontsize=10)
