@@ -25,6 +25,12 @@ def test_embed_json_cannot_close_its_script_element() -> None:
     assert json.loads(s) == obj
 
 
+def test_embed_json_turns_non_finite_free_fields_into_null() -> None:
+    assert json.loads(embed_json({"extra": {"score": float("nan"), "xs": [1.0, float("inf")]}})) == {
+        "extra": {"score": None, "xs": [1.0, None]}
+    }
+
+
 def test_known_forest_budget_line() -> None:
     b = forest_budget(known_forest())
     # policy tokens 2 + 2 + 1 (tree 0) + 2 (tree 1); one search answered with an observation;

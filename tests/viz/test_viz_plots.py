@@ -45,8 +45,11 @@ def test_series_against_generated_tokens(tmp_path: Path) -> None:
 
 
 def test_labels() -> None:
-    assert run_label(Path("r"), {"sampler": "chain", "group_size": 8}) == "r · chain G=8"
-    assert run_label(Path("r"), {"sampler": "eptree", "m": 6, "n": 2, "l": 1, "t": 2}) == "r · eptree (6,2,1,2)"
+    # advantage "auto" (the default) resolves the way the trainer resolves it
+    assert run_label(Path("r"), {"sampler": "chain", "group_size": 8}) == "r · chain G=8 · grpo"
+    eptree = {"sampler": "eptree", "m": 6, "n": 2, "l": 1, "t": 2, "advantage": "auto"}
+    assert run_label(Path("r"), eptree) == "r · eptree (6,2,1,2) · treerl"
+    assert run_label(Path("r"), {"sampler": "tree", "m": 1, "n": 2, "l": 1, "advantage": 7}) == "r · tree (1,2,1)"
     assert run_label(Path("r"), {}) == "r"
 
 

@@ -46,8 +46,9 @@ class MonitorThresholds:
     """Where each monitor warns (defaults chosen for the tiny default runs; see module docstring).
 
     Attributes:
-        zero_signal_max: warn when at least this fraction of groups has no advantage signal (0.9:
-            nine prompts in ten teach nothing).
+        zero_signal_max: warn when at least this fraction of groups has no advantage signal
+            (0.95: at most one prompt in twenty teaches anything; the default 3-step run starts at
+            0.81-0.94, a weak policy rather than a collapse).
         mixed_outcome_min: warn when the mixed-outcome fraction falls below this multiple of its
             early level (0.25).
         entropy_low: entropy collapse below this multiple of the early entropy (0.2).
@@ -64,7 +65,7 @@ class MonitorThresholds:
         repeat_every: warn again every this many steps while it holds (10; 0: once).
     """
 
-    zero_signal_max: float = 0.9
+    zero_signal_max: float = 0.95
     mixed_outcome_min: float = 0.25
     entropy_low: float = 0.2
     entropy_high: float = 3.0

@@ -175,8 +175,27 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def run_estimator(cfg: dict[str, Any]) -> str | None:
+    """The advantage estimator a run's ``config.json`` resolves to (``advantage: auto`` becomes
+    the sampler's default, as the trainer resolves it); the raw field if the config does not
+    validate (e.g. a run of an older version)."""
+    from pydantic import ValidationError
+
+    from treegrpo.train.config import TrainConfig
+
+    try:
+        return TrainConfig.model_validate(cfg).estimator
+    except (ValidationError, ValueError, TypeError):
+        adv = cfg.get("advantage")
+        return adv if isinstance(adv, str) else None
+
+
 def _run_header(folder: Path) -> dict[str, Any]:
     cfg = _read_json(folder / "config.json") or {}
+    if not isinstance(cfg, dict):
+        cfg = {}
+    if cfg:
+        cfg = {**cfg, "advantage": run_estimator(cfg)}
     keys = ("sampler", "m", "n", "l", "t", "group_size", "expand_mode", "fork_score", "advantage", "estimator",
             "steps", "prompts_per_step", "lr", "seed", "task", "preset", "model")  # fmt: skip
     summary = _read_json(folder / "summary.json") or {}
@@ -224,4 +243,4 @@ def load_view(source: str | Path) -> ViewData:
     return data
 
 
-__all__ = ["ViewData", "forest_budget", "forest_doc", "load_view", "read_metrics"]
+__all__ = ["ViewData", "forest_budget", "forest_doc", "load_view", "read_metrics", "run_estimator"]

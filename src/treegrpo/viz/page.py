@@ -13,6 +13,7 @@ string into the page with ``textContent`` (never as HTML).
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,24 @@ _ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
 def embed_json(obj: Any) -> str:
     """``obj`` as JSON that is safe inside a ``<script type="application/json">`` element: no
     ``</script>``, ``<!--`` or HTML entity can be formed from the text (JSON.parse restores it)."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return "".join(_ESCAPES.get(c, c) for c in text) if any(c in text for c in _ESCAPES) else text
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN/inf in a free-form field: JSON.parse would reject the page
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    for c, esc in _ESCAPES.items():  # outside strings JSON has none of these characters
+        text = text.replace(c, esc)
+    return text
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _asset(name: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from treegrpo.errors import ConfigError
-from treegrpo.viz.data import read_metrics
+from treegrpo.viz.data import read_metrics, run_estimator
 
 TOKENS_KEY = "budget/total_generated_tokens"
 
@@ -90,7 +90,7 @@ def run_label(folder: Path, config: dict[str, Any]) -> str:
         shape = f"{s} ({config.get('m')},{config.get('n')},{config.get('l')}) {config.get('expand_mode', '')}".strip()
     else:
         return folder.name
-    adv = config.get("advantage") or config.get("estimator")
+    adv = run_estimator(config)
     return f"{folder.name} · {shape}" + (f" · {adv}" if adv else "")
 
 

@@ -9,7 +9,7 @@
   const index = JSON.parse($("tg-index").textContent);
   const parsed = new Map();
   const state = { step: 0, forest: -1, tree: -1, node: null };
-  const DX = 34, DY = 58, R = 9, PAD = 28;
+  const DX = 42, DY = 62, R = 11, PAD = 28;
 
   function forestDoc(i) {
     if (!parsed.has(i)) parsed.set(i, JSON.parse($("tg-f" + i).textContent));
@@ -145,7 +145,7 @@
     g1.style.background = "linear-gradient(90deg," + advColor(-1, 1) + "," + advColor(0, 1) + "," + advColor(1, 1) + ")";
     g2.style.background = "linear-gradient(90deg," + rewardColor(lo, lo, hi) + "," + rewardColor(hi, lo, hi) + ")";
     $("legend").replaceChildren(
-      el("span", {}, "● node: advantage ", fmt(-m, 2), g1, fmt(m, 2)),
+      el("span", {}, "● node: advantage ", fmt(-m, 2), g1, fmt(m, 2), " (white: not scored)"),
       el("span", {}, "■ leaf: reward ", fmt(lo, 1), g2, fmt(hi, 1), " (ring: advantage)"),
       tokenTree ? el("span", {}, "token segments; number = round; dashed ring = fork point") : el("span", {}, "S search · A answer · ! invalid"));
   }
