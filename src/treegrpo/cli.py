@@ -7,6 +7,8 @@ from typing import NoReturn
 
 import typer
 
+from treegrpo.errors import ConfigError
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -123,21 +125,23 @@ def train_cmd(
         raise typer.Exit(2) from None
 
 
+def _die(msg: str) -> NoReturn:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
 @app.command("view")
 def view_cmd(
     source: Path = typer.Argument(..., help="A run folder (rollouts/step_*.jsonl) or a forest .json/.jsonl file."),
     out: Path | None = typer.Option(None, "--out", "-o", help="HTML file (default: RUN_DIR/view.html, or FILE.html)."),
 ) -> None:
-    """Write one self-contained HTML page (no network) to browse a run's forests: steps, prompts,
-    trees coloured by advantage and reward, each node's text, observation and per-token log-probs."""
-    from treegrpo.errors import ConfigError
+    """Write one self-contained HTML page (no network) to browse a run's forests, tree by tree."""
     from treegrpo.viz.page import write_view
 
     try:
         path, data = write_view(source, out)
     except (ConfigError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _die(str(e))
     typer.echo(f"wrote {path} ({len(data.forests)} forests, {len(data.index['steps'])} step files)", err=True)
 
 
@@ -147,32 +151,17 @@ def plot_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for the PNGs (default: RUN_DIR/plots, ./plots for several runs; a benchmark's PNG beside its JSON)."),
     x: str = typer.Option("tokens", "--x", help="x axis of run plots: tokens (cumulative generated) | step."),
 ) -> None:
-    """PNGs of reward, held-out EM, tool calls, KL, entropy, grad norm, informative groups and the
-    engine–trainer log-prob gap against generated tokens; several runs on one figure. A benchmark
-    result JSON gets its benchmark's figure re-drawn."""
+    """PNGs of a run's curves against generated tokens (runs overlaid), or a benchmark's figure."""
     from treegrpo.benchmarks.replot import replot
-    from treegrpo.errors import ConfigError
     from treegrpo.viz.plots import plot_runs
 
-    if x not in ("tokens", "step"):
-        typer.echo("error: --x must be tokens or step", err=True)
-        raise typer.Exit(2)
-    if missing := [str(s) for s in sources if not s.exists()]:
-        typer.echo(f"error: no such file or folder: {', '.join(missing)}", err=True)
-        raise typer.Exit(2)
-    runs = [s for s in sources if s.is_dir()]
-    files = [s for s in sources if not s.is_dir()]
     try:
-        for f in files:
+        for f in [s for s in sources if not s.is_dir()]:
             typer.echo(f"wrote {replot(f, out)}", err=True)
-        if runs:
-            folder = out or (runs[0] / "plots" if len(runs) == 1 else Path("plots"))
-            written, skipped, used = plot_runs(runs, folder, x)  # type: ignore[arg-type]
-            notes = [f"x axis: {used}"] + ([f"no data: {', '.join(skipped)}"] if skipped else [])
-            typer.echo(f"wrote {len(written)} PNGs to {folder} ({'; '.join(notes)})", err=True)
+        if runs := [s for s in sources if s.is_dir()]:
+            typer.echo(plot_runs(list(runs), out, x).line(), err=True)
     except (ConfigError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _die(str(e))
 
 
 @app.command("serve-retriever")

@@ -56,30 +56,32 @@ def test_labels() -> None:
 def test_two_runs_one_figure_and_missing_series_skipped(tmp_path: Path) -> None:
     a = write_run(tmp_path / "tree_run", "tree", gap=True)
     b = write_run(tmp_path / "chain_run", "chain", gap=False)  # an older run: no log-prob gap
-    written, skipped, x = plot_runs([a, b], tmp_path / "plots")
+    res = plot_runs([a, b], tmp_path / "plots")
+    written = res.written
     names = sorted(p.name for p in written)
-    assert x == "tokens" and skipped == []
+    assert res.x == "tokens" and res.skipped == [] and res.folder == tmp_path / "plots"
     assert names == sorted(
         ["reward.png", "heldout_em.png", "tool_calls.png", "kl.png", "entropy.png", "grad_norm.png",
          "informative_groups.png", "logprob_gap.png", "overview.png"]
     )  # fmt: skip
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 300_000
-    _, skipped, _ = plot_runs([b], tmp_path / "only_chain")
-    assert skipped == ["logprob_gap"]
+    assert plot_runs([b], tmp_path / "only_chain").skipped == ["logprob_gap"]
+    assert plot_runs([b]).folder == b / "plots"
 
 
 def test_runs_without_token_totals_fall_back_to_steps(tmp_path: Path) -> None:
     run = tmp_path / "old"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.2}) + "\n")
-    written, skipped, x = plot_runs([run], tmp_path / "p")
-    assert x == "step" and [p.name for p in written] == ["reward.png", "overview.png"]
-    assert "entropy" in skipped
+    res = plot_runs([run], tmp_path / "p")
+    assert res.x == "step" and [p.name for p in res.written] == ["reward.png", "overview.png"]
+    assert "entropy" in res.skipped
+    assert res.line().startswith(f"wrote 2 PNGs to {tmp_path / 'p'} (x axis: step; no data: heldout_em, ")
 
 
 def test_load_run_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no metrics.jsonl here"):
+    with pytest.raises(ConfigError, match=r"no metrics\.jsonl here"):
         load_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="no metric rows"):
@@ -109,6 +111,6 @@ def test_plot_command(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert (a / "plots" / "overview.png").is_file() and "no data: logprob_gap" in res.output
     res = CliRunner().invoke(app, ["plot", str(a), str(tmp_path / "missing")])
-    assert res.exit_code == 2 and "no such file or folder" in res.output
+    assert res.exit_code == 2 and "missing: cannot read (No such file or directory)" in res.output
     res = CliRunner().invoke(app, ["plot", str(a), "--x", "time"])
-    assert res.exit_code == 2 and "--x must be tokens or step" in res.output
+    assert res.exit_code == 2 and "error: x axis 'time': choose tokens or step" in res.output

@@ -137,21 +137,39 @@ def _draw(ax: Any, panel: Panel, runs: list[RunSeries], x: Literal["tokens", "st
     return drawn
 
 
+@dataclass
+class PlotResult:
+    """What :func:`plot_runs` did: the folder, the PNGs written, the panels left out because no
+    run has their series, and the x axis used."""
+
+    folder: Path
+    written: list[Path]
+    skipped: list[str]
+    x: str
+
+    def line(self) -> str:
+        """One line for the console."""
+        skipped = f"; no data: {', '.join(self.skipped)}" if self.skipped else ""
+        return f"wrote {len(self.written)} PNGs to {self.folder} (x axis: {self.x}{skipped})"
+
+
 def plot_runs(
-    folders: list[str | Path], out_dir: str | Path, x: Literal["tokens", "step"] = "tokens"
-) -> tuple[list[Path], list[str], str]:
-    """Write one PNG per panel with data, and ``overview.png``; returns (paths written, names of
-    the panels left out because no run has their series, the x axis used: a run that does not
-    log ``budget/total_generated_tokens`` puts every run on ``step``)."""
+    folders: list[str | Path], out_dir: str | Path | None = None, x: Literal["tokens", "step"] | str = "tokens"
+) -> PlotResult:
+    """Write one PNG per panel with data, and ``overview.png``, into ``out_dir`` (default:
+    ``RUN_DIR/plots`` for one run, ``./plots`` for several). A run that does not log
+    ``budget/total_generated_tokens`` puts every run on the ``step`` axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if x not in ("tokens", "step"):
+        raise ConfigError(f"x axis {x!r}: choose tokens or step")
     runs = [load_run(f) for f in folders]
     if x == "tokens" and any(not any(TOKENS_KEY in r for r in run.rows) for run in runs):
         x = "step"
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else (Path(folders[0]) / "plots" if len(folders) == 1 else Path("plots"))
     out.mkdir(parents=True, exist_ok=True)
     written, skipped, have = [], [], []
     for panel in PANELS:
@@ -179,7 +197,7 @@ def plot_runs(
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)
-    return written, skipped, x
+    return PlotResult(out, written, skipped, x)
 
 
-__all__ = ["PANELS", "Panel", "RunSeries", "load_run", "plot_runs", "run_label"]
+__all__ = ["PANELS", "Panel", "PlotResult", "RunSeries", "load_run", "plot_runs", "run_label"]
