@@ -7,7 +7,7 @@ from typing import NoReturn
 
 import typer
 
-from treegrpo.errors import ConfigError
+from treegrpo.viz.commands import register as register_viz
 
 app = typer.Typer(
     add_completion=False,
@@ -125,43 +125,13 @@ def train_cmd(
         raise typer.Exit(2) from None
 
 
-def _die(msg: str) -> NoReturn:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
-
-
-@app.command("view")
-def view_cmd(
-    source: Path = typer.Argument(..., help="A run folder (rollouts/step_*.jsonl) or a forest .json/.jsonl file."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="HTML file (default: RUN_DIR/view.html, or FILE.html)."),
-) -> None:
-    """Write one self-contained HTML page (no network) to browse a run's forests, tree by tree."""
-    from treegrpo.viz.page import write_view
-
-    try:
-        path, data = write_view(source, out)
-    except (ConfigError, OSError) as e:
-        _die(str(e))
-    typer.echo(f"wrote {path} ({len(data.forests)} forests, {len(data.index['steps'])} step files)", err=True)
-
-
-@app.command("plot")
-def plot_cmd(
-    sources: list[Path] = typer.Argument(..., help="Run folders (one figure set, runs overlaid) and/or benchmark result JSONs."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for the PNGs (default: RUN_DIR/plots, ./plots for several runs; a benchmark's PNG beside its JSON)."),
-    x: str = typer.Option("tokens", "--x", help="x axis of run plots: tokens (cumulative generated) | step."),
-) -> None:
-    """PNGs of a run's curves against generated tokens (runs overlaid), or a benchmark's figure."""
+def _replot(result: Path, out: Path | None) -> Path:
     from treegrpo.benchmarks.replot import replot
-    from treegrpo.viz.plots import plot_runs
 
-    try:
-        for f in [s for s in sources if not s.is_dir()]:
-            typer.echo(f"wrote {replot(f, out)}", err=True)
-        if runs := [s for s in sources if s.is_dir()]:
-            typer.echo(plot_runs(list(runs), out, x).line(), err=True)
-    except (ConfigError, OSError) as e:
-        _die(str(e))
+    return replot(result, out)
+
+
+register_viz(app, _replot)  # treegrpo view, treegrpo plot (viz/commands.py)
 
 
 @app.command("serve-retriever")
