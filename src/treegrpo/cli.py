@@ -7,6 +7,8 @@ from typing import NoReturn
 
 import typer
 
+from treegrpo.viz.commands import register as register_viz
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -121,6 +123,15 @@ def train_cmd(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _replot(result: Path, out: Path | None) -> Path:
+    from treegrpo.benchmarks.replot import replot
+
+    return replot(result, out)
+
+
+register_viz(app, _replot)  # treegrpo view, treegrpo plot (viz/commands.py)
 
 
 @app.command("serve-retriever")
