@@ -31,10 +31,13 @@ class MetricsLogger:
     ) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []  # every row of the log, as written (the monitors' history)
         if resume_step is None:
             atomic_write_text(self.path, "")
         elif self.path.exists():
-            atomic_write_text(self.path, "".join(ln + "\n" for ln in keep_rows(self.path, resume_step, say)))
+            kept = keep_rows(self.path, resume_step, say)
+            atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
+            self.rows = [json.loads(ln) for ln in kept]
         self.tb = None
         if tensorboard:
             try:
@@ -47,6 +50,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
         append_line(self.path, json.dumps(row))
+        self.rows.append(row)
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):

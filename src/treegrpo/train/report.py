@@ -75,6 +75,11 @@ def step_warnings(m: dict[str, float]) -> list[str]:
     retrieval = retrieval_error_warning(int(m["budget/retrieval_errors"]), int(m["budget/tool_calls"]))
     if retrieval:
         out.append(retrieval)
+    if m.get("update/skipped_steps"):
+        out.append(
+            f"warning: {int(m['update/skipped_steps'])} optimizer step(s) skipped: the loss or gradient was not "
+            f"finite (loss/total={m.get('loss/total')}); the weights and optimizer state were left unchanged"
+        )
     if m.get("budget/context_overflows"):
         out.append(
             f"warning: {int(m['budget/context_overflows'])} trajectories ended before their first step: the "

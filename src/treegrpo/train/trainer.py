@@ -37,6 +37,7 @@ from treegrpo.train.checkpoint import (
 from treegrpo.train.config import TrainConfig, warn_single_leaf_groups
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
+from treegrpo.train.monitors import check_step
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
 from treegrpo.train.setup import RunParts, build_run
 from treegrpo.train.update import update
@@ -216,13 +217,16 @@ def train(
                 run.last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
                 metrics.update(run.last_eval)
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval)])
+            monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
+            metrics.update(monitored)
             logger.log(step, metrics)
             if cfg.dump_rollouts_every and (step % cfg.dump_rollouts_every == 0 or step == cfg.steps):
-                for f in result.forests:
+                for f, b in zip(result.forests, result.budgets, strict=True):
                     score_forest(f, estimator, adv_cfg)
+                    f.extra["budget"] = b.to_dict()  # what this prompt's rollout cost (the viewer shows it)
                 write_forests(result.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
             console.print(step_line(step, metrics))
-            for warning in step_warnings(metrics):
+            for warning in step_warnings(metrics) + alerts:
                 console.print(warning, markup=False, style="yellow")
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.wall_s = wall_before + time.perf_counter() - t_start

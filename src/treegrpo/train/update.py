@@ -248,6 +248,7 @@ def update_packed(
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value / n
 
+    skipped = 0
     for k, plan in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
@@ -276,10 +277,11 @@ def update_packed(
             tokens_paths += mb.n_path_tokens
             tokens_packed += mb.n_packed_tokens
         add("actor/ratio_max", ratio_max)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        add("actor/grad_norm", float(grad_norm))
+        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
+            skipped += 1
     model.eval()
+    if skipped:
+        sums["update/skipped_steps"] = float(skipped)
     sums["update/tokens_paths"] = float(tokens_paths)  # what a per-path update would compute
     sums["update/tokens_packed"] = float(tokens_packed)
     sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
@@ -332,6 +334,7 @@ def update_paths(
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value / len(minis)
 
+    skipped = 0
     for mini in minis:
         mini_seqs = [seqs[i] for i in mini]
         norm = LossNormalizers.of(s.policy_mask for s in mini_seqs)
@@ -366,12 +369,29 @@ def update_paths(
             with torch.no_grad():
                 add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
         add("actor/ratio_max", ratio_max)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        add("actor/grad_norm", float(grad_norm))
+        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
+            skipped += 1
     model.eval()
+    if skipped:
+        sums["update/skipped_steps"] = float(skipped)
     sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
     return sums
+
+
+def clip_and_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, add: Callable[[str, float], None]
+) -> bool:
+    """Clip the gradient and take the optimizer step, unless the gradient is not finite (a NaN or
+    inf loss): then the gradients are dropped and no step is taken, so one bad batch cannot poison
+    the weights or the optimizer state. Returns whether the step was taken (``actor/grad_norm``
+    is added only then; the caller counts skips in ``update/skipped_steps``)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    add("actor/grad_norm", float(grad_norm))
+    return True
 
 
 def _gather(table: dict[int, torch.Tensor] | None, ids: list[int], like: torch.Tensor) -> torch.Tensor | None:
