@@ -245,6 +245,33 @@ def expansion_cost(env_for: Callable[[str], Any], task: Task, actions: Sequence[
     return out
 
 
+
+
+def random_sql_action(rng: random.Random, p_answer: float = 0.15) -> str:
+    """A random SQL step on the ``accounts`` table: writes that apply, match nothing, violate the
+    balance check half-way (rolled back) or run into the step limit (rolled back), reads of the
+    whole table, denied and malformed statements, now and then an answer."""
+    if rng.random() < p_answer:
+        return f"<answer>{rng.randint(0, 120)}</answer>"
+    n, x = rng.randint(20, 90), rng.randint(1, 30)
+    sql = rng.choice(
+        [
+            f"UPDATE accounts SET balance = balance + {x} WHERE balance > {n}",
+            f"UPDATE accounts SET balance = balance - {x} WHERE balance < {n}",
+            f"UPDATE accounts SET balance = balance - {n}",
+            f"DELETE FROM accounts WHERE balance < {n // 2}",
+            f"INSERT INTO accounts VALUES ('n{x % 7}', {x})",
+            "SELECT name, balance FROM accounts ORDER BY name",
+            "SELECT count(*), sum(balance) FROM accounts",
+            "INSERT INTO accounts SELECT 'r' || x, 1 FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c)",
+            "SELECT random()",
+            "DROP TABLE accounts",
+            "UPDATE acounts SET balance = 0",
+        ]
+    )
+    return f"<sql>{sql}</sql>" if rng.random() > 0.05 else f"<sq>{sql}"
+
+
 __all__ = [
     "MODES",
     "ByteTokenizer",
@@ -254,6 +281,7 @@ __all__ = [
     "check_exactness",
     "expansion_cost",
     "grow",
+    "random_sql_action",
     "replay_path",
     "signature",
     "tree_matches_replay",
