@@ -73,7 +73,7 @@ def train_cmd(
     corpus: str | None = typer.Option(None, help="Search-R1 corpus JSONL or a built-in corpus name (wiki-vital)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
-    task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic)."),
+    task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic) | sql (a database agent: a stateful tool)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
     n: int | None = typer.Option(None, "--n", "--ts-n", help="Tree: expansions per tree per round (N)."),
@@ -345,6 +345,31 @@ def bench_learn_cmd(
         out, regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
         lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
         budgets=budget_list or None, resume=resume,
+    )
+
+
+@bench.command("stateful")
+def bench_stateful_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/stateful.json"), help="Results JSON (plot next to it, .png)."),
+    quick: bool = typer.Option(False, "--quick", help="A few seconds of every part (a smoke test)."),
+    seeds: int = typer.Option(2, help="RL seeds per configuration, paired across chain and tree."),
+    steps: int = typer.Option(12, help="RL steps per learning run."),
+    prompts_per_step: int = typer.Option(8, help="Prompts per RL step."),
+    lr: float = typer.Option(1e-4, help="Learning rate."),
+    eval_prompts: int = typer.Option(100, help="Held-out questions per evaluation."),
+    skip_learn: bool = typer.Option(False, "--skip-learn", help="Cost and exactness only (no training runs)."),
+) -> None:
+    """Stateful tools: restore vs replay cost per expansion (SQL env, by depth), exactness over
+    random trees of mutating actions (mismatches), chain vs Tree-GRPO learning on --task sql at
+    budgets 2 and 4."""
+    from treegrpo.benchmarks.stateful import run_bench
+
+    if min(seeds, steps, prompts_per_step, eval_prompts) < 1 or not lr > 0:
+        typer.echo("error: --seeds, --steps, --prompts-per-step and --eval-prompts must be >= 1 and --lr > 0", err=True)
+        raise typer.Exit(2)
+    run_bench(
+        out, quick=quick, seeds=seeds, steps=steps, prompts_per_step=prompts_per_step, lr=lr,
+        eval_prompts=eval_prompts, skip_learn=skip_learn, log=lambda m: typer.echo(m, err=True),
     )
 
 
