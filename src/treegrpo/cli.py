@@ -353,9 +353,9 @@ def bench_stateful_cmd(
     out: Path = typer.Option(Path("benchmarks/results/stateful.json"), help="Results JSON (plot next to it, .png)."),
     quick: bool = typer.Option(False, "--quick", help="A few seconds of every part (a smoke test)."),
     seeds: int = typer.Option(2, help="RL seeds per configuration, paired across chain and tree."),
-    steps: int = typer.Option(12, help="RL steps per learning run."),
+    steps: int = typer.Option(10, help="RL steps per learning run."),
     prompts_per_step: int = typer.Option(8, help="Prompts per RL step."),
-    lr: float = typer.Option(1e-4, help="Learning rate."),
+    lr: float = typer.Option(5e-4, help="Learning rate (the train default)."),
     eval_prompts: int = typer.Option(100, help="Held-out questions per evaluation."),
     skip_learn: bool = typer.Option(False, "--skip-learn", help="Cost and exactness only (no training runs)."),
 ) -> None:

@@ -94,8 +94,12 @@ def exactness_part(n_sql: int, n_kv: int) -> dict[str, Any]:
     }
 
 
-def learn_part(budgets: list[int], seeds: int, steps: int, prompts_per_step: int, lr: float, eval_prompts: int, log: Any) -> dict[str, Any]:
-    """Chain vs tree training runs on ``--task sql`` (module docstring, part 3)."""
+def learn_part(
+    budgets: list[int], seeds: int, steps: int, prompts_per_step: int, lr: float, eval_prompts: int, log: Any,
+    model_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Chain vs tree training runs on ``--task sql`` (module docstring, part 3) from ``model_dir``
+    (default: the cached tiny SQL agent, bootstrapped on first use)."""
     import dataclasses
 
     import torch
@@ -108,7 +112,7 @@ def learn_part(budgets: list[int], seeds: int, steps: int, prompts_per_step: int
     from treegrpo.train.trainer import train
 
     torch.set_num_threads(1)
-    model_dir = ensure_sql_bootstrapped()
+    model_dir = Path(model_dir) if model_dir is not None else ensure_sql_bootstrapped()
     specs = plan_runs(budgets, list(range(seeds)), [0], expand_modes=("random",), ablation=False)
     rows: list[dict[str, Any]] = []
     parts = None
@@ -155,14 +159,16 @@ def run_bench(
     out: Path,
     quick: bool = False,
     seeds: int = 2,
-    steps: int = 12,
+    steps: int = 10,
     prompts_per_step: int = 8,
-    lr: float = 1e-4,
+    lr: float = 5e-4,
     eval_prompts: int = 100,
     skip_learn: bool = False,
     log: Any = print,
+    model_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
+    """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``.
+    ``model_dir``: the starting policy of the learning part (default: the cached tiny SQL agent)."""
     from treegrpo.benchmarks.stateful_report import plot, table
     from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
@@ -178,11 +184,12 @@ def run_bench(
     learn = None
     if not skip_learn:
         log(f"[bench stateful] learning: chain vs tree at budgets 2, 4 · {seeds} seed(s) · {steps} steps")
-        learn = learn_part([2, 4], seeds, steps, prompts_per_step, lr, eval_prompts, log)
+        learn = learn_part([2, 4], seeds, steps, prompts_per_step, lr, eval_prompts, log, model_dir)
     command = (
         f"treegrpo bench stateful{' --quick' if quick else ''} --seeds {seeds} --steps {steps} "
         f"--prompts-per-step {prompts_per_step} --lr {lr} --eval-prompts {eval_prompts}"
         f"{' --skip-learn' if skip_learn else ''} --out {out}"
+        + ("" if model_dir is None else f"  # learning from {model_dir}")
     )
     result: dict[str, Any] = {
         "bench": "stateful",
