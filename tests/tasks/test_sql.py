@@ -59,6 +59,8 @@ def test_reads_writes_and_result_cap() -> None:
     assert _run(env, db, f"SELECT balance FROM accounts WHERE name = '{name}'") == "<result>5</result>"
     assert _run(env, db, "SELECT * FROM accounts WHERE name = 'nobody'") == "<result>no rows</result>"
     assert _run(env, db, "SELECT name FROM accounts").endswith("(more rows)</result>")
+    assert _run(env, db, "-- only a comment") == "<result>0 rows changed</result>"
+    assert _run(env, db, "") == "<result>0 rows changed</result>"
 
 
 def test_a_statement_stopped_half_way_leaves_no_state_behind() -> None:

@@ -54,28 +54,36 @@ def _commit() -> str | None:
         return None
 
 
-def cost_part(repeats: int, rollout_prompts: int) -> dict[str, Any]:
-    """Restore vs replay per expansion at every depth of :data:`DEPTHS`, and whole rollouts."""
+def cost_part(repeats: int, rollout_prompts: int, rollout_repeats: int = 5) -> dict[str, Any]:
+    """Restore vs replay per expansion at every depth of :data:`DEPTHS`, and whole rollouts
+    (``ms_per_expansion_amortized``: a whole rollout's wall time — generation, tokenization, tool
+    calls, snapshots or replays — per expansion, the median of ``rollout_repeats`` interleaved runs)."""
     task = build_problems(SqlConfig(n_warmup=1, n_train=1, n_eval=1)).tasks("train")[0]
     a, b = task.meta["rows"][0][0], task.meta["rows"][1][0]
     cycle = [update(a, -3), update(b, 3), read_balance(b), "SELECT name, balance FROM accounts ORDER BY name"]
     actions = [f"<sql>{cycle[i % len(cycle)]}</sql>" for i in range(max(DEPTHS))]
     depths = [expansion_cost(lambda m: SqlEnv(m), task, actions[:d], repeats) for d in DEPTHS]
     tasks = build_problems(SqlConfig(n_warmup=1, n_train=64, n_eval=1)).tasks("train")[:rollout_prompts]
-    rollout: dict[str, Any] = {"prompts": len(tasks), "shape": [2, 2, 2], "max_turns": 4}
+    rollout: dict[str, Any] = {"prompts": len(tasks), "shape": [2, 2, 2], "max_turns": 4, "repeats": rollout_repeats}
+    walls: dict[str, list[float]] = {"snapshot": [], "replay": []}
+    totals = {}
     for mode in ("snapshot", "replay"):
         grow(SqlEnv(mode, CHECK_LIMITS), tasks[:2], random_sql_action, (2, 2, 2), 0, 4)  # warm-up
-        t = time.perf_counter()
-        res = grow(SqlEnv(mode, CHECK_LIMITS), tasks, random_sql_action, (2, 2, 2), 0, 4)
-        wall = time.perf_counter() - t
-        expansions = len(tasks) * 2 * 2 * 2
-        total = res.total()
+    for _ in range(rollout_repeats):  # interleaved, the median kept
+        for mode in ("snapshot", "replay"):
+            t = time.perf_counter()
+            res = grow(SqlEnv(mode, CHECK_LIMITS), tasks, random_sql_action, (2, 2, 2), 0, 4)
+            walls[mode].append(time.perf_counter() - t)
+            totals[mode] = res.total()
+    expansions = len(tasks) * 2 * 2 * 2
+    for mode in ("snapshot", "replay"):
+        wall = sorted(walls[mode])[len(walls[mode]) // 2]
         rollout[mode] = {
             "wall_s": round(wall, 4),
             "ms_per_expansion_amortized": round(1000 * wall / expansions, 4),
-            "tool_calls": total.tool_calls,
-            "replayed_tool_calls": total.replayed_tool_calls,
-            "replayed_per_expansion": round(total.replayed_tool_calls / expansions, 3),
+            "tool_calls": totals[mode].tool_calls,
+            "replayed_tool_calls": totals[mode].replayed_tool_calls,
+            "replayed_per_expansion": round(totals[mode].replayed_tool_calls / expansions, 3),
         }
     return {"depths": depths, "rollout": rollout}
 
@@ -178,7 +186,7 @@ def run_bench(
         seeds, steps, prompts_per_step, eval_prompts = 1, 2, 2, 8
     repeats, rollout_prompts, n_sql, n_kv = (10, 4, 20, 50) if quick else (200, 32, 1000, 1000)
     log("[bench stateful] cost per expansion: snapshot vs replay")
-    cost = cost_part(repeats, rollout_prompts)
+    cost = cost_part(repeats, rollout_prompts, 1 if quick else 5)
     log(f"[bench stateful] exactness: {n_sql} SQL + {n_kv} key-value random trees")
     exact = exactness_part(n_sql, n_kv)
     learn = None

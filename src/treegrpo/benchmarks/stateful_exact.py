@@ -267,6 +267,8 @@ def random_sql_action(rng: random.Random, p_answer: float = 0.15) -> str:
             "SELECT random()",
             "DROP TABLE accounts",
             "UPDATE acounts SET balance = 0",
+            "-- only a comment",
+            "",
         ]
     )
     return f"<sql>{sql}</sql>" if rng.random() > 0.05 else f"<sq>{sql}"

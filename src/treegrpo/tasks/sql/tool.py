@@ -126,7 +126,7 @@ class SqlDb:
         try:
             cur = self.conn.execute(sql)
             if cur.description is None:
-                n = self.conn.changes() if cur.rowcount < 0 else cur.rowcount
+                n = max(cur.rowcount, 0)  # -1 for a statement that is not DML (e.g. only a comment)
                 return f"{n} row{'s' if n != 1 else ''} changed", True
             rows = cur.fetchmany(lim.max_rows + 1)
         except sqlite3.OperationalError as e:
