@@ -43,6 +43,9 @@ DEPTHS = (1, 3, 5, 8)
 #: The exactness check's statement limit: smaller than the default so runaway statements (stopped
 #: and rolled back) stay cheap to replay thousands of times; the behaviour checked is the same.
 CHECK_LIMITS = SqlLimits(vm_steps=20_000)
+#: Spare-connection pools of the whole-rollout timing: the env's default, and one large enough to
+#: hold every snapshot of a rollout (then no snapshot or restore opens a new connection).
+POOL_SIZES = (SqlEnv.pool_size, 2048)
 
 
 def _commit() -> str | None:
@@ -57,7 +60,8 @@ def _commit() -> str | None:
 def cost_part(repeats: int, rollout_prompts: int, rollout_repeats: int = 5) -> dict[str, Any]:
     """Restore vs replay per expansion at every depth of :data:`DEPTHS`, and whole rollouts
     (``ms_per_expansion_amortized``: a whole rollout's wall time — generation, tokenization, tool
-    calls, snapshots or replays — per expansion, the median of ``rollout_repeats`` interleaved runs)."""
+    calls, snapshots or replays — per expansion, the median of ``rollout_repeats`` interleaved runs
+    on a warm env, for each pool size of :data:`POOL_SIZES`)."""
     task = build_problems(SqlConfig(n_warmup=1, n_train=1, n_eval=1)).tasks("train")[0]
     a, b = task.meta["rows"][0][0], task.meta["rows"][1][0]
     cycle = [update(a, -3), update(b, 3), read_balance(b), "SELECT name, balance FROM accounts ORDER BY name"]
@@ -65,26 +69,31 @@ def cost_part(repeats: int, rollout_prompts: int, rollout_repeats: int = 5) -> d
     depths = [expansion_cost(lambda m: SqlEnv(m), task, actions[:d], repeats) for d in DEPTHS]
     tasks = build_problems(SqlConfig(n_warmup=1, n_train=64, n_eval=1)).tasks("train")[:rollout_prompts]
     rollout: dict[str, Any] = {"prompts": len(tasks), "shape": [2, 2, 2], "max_turns": 4, "repeats": rollout_repeats}
-    walls: dict[str, list[float]] = {"snapshot": [], "replay": []}
-    totals = {}
-    for mode in ("snapshot", "replay"):
-        grow(SqlEnv(mode, CHECK_LIMITS), tasks[:2], random_sql_action, (2, 2, 2), 0, 4)  # warm-up
-    for _ in range(rollout_repeats):  # interleaved, the median kept
-        for mode in ("snapshot", "replay"):
-            t = time.perf_counter()
-            res = grow(SqlEnv(mode, CHECK_LIMITS), tasks, random_sql_action, (2, 2, 2), 0, 4)
-            walls[mode].append(time.perf_counter() - t)
-            totals[mode] = res.total()
     expansions = len(tasks) * 2 * 2 * 2
-    for mode in ("snapshot", "replay"):
-        wall = sorted(walls[mode])[len(walls[mode]) // 2]
-        rollout[mode] = {
-            "wall_s": round(wall, 4),
-            "ms_per_expansion_amortized": round(1000 * wall / expansions, 4),
-            "tool_calls": totals[mode].tool_calls,
-            "replayed_tool_calls": totals[mode].replayed_tool_calls,
-            "replayed_per_expansion": round(totals[mode].replayed_tool_calls / expansions, 3),
-        }
+    for pool in POOL_SIZES:  # the env's default pool, and one that holds a rollout's snapshots
+        envs = {mode: SqlEnv(mode, CHECK_LIMITS, pool_size=pool) for mode in ("snapshot", "replay")}
+        for env in envs.values():  # warm: in a run one env serves every step
+            grow(env, tasks, random_sql_action, (2, 2, 2), 0, 4)
+        walls: dict[str, list[float]] = {"snapshot": [], "replay": []}
+        totals = {}
+        for _ in range(rollout_repeats):  # interleaved, the median kept
+            for mode, env in envs.items():
+                t = time.perf_counter()
+                res = grow(env, tasks, random_sql_action, (2, 2, 2), 0, 4)
+                walls[mode].append(time.perf_counter() - t)
+                totals[mode] = res.total()
+        row: dict[str, Any] = {}
+        for mode in ("snapshot", "replay"):
+            wall = sorted(walls[mode])[len(walls[mode]) // 2]
+            row[mode] = {
+                "wall_s": round(wall, 4),
+                "ms_per_expansion_amortized": round(1000 * wall / expansions, 4),
+                "tool_calls": totals[mode].tool_calls,
+                "replayed_tool_calls": totals[mode].replayed_tool_calls,
+                "replayed_per_expansion": round(totals[mode].replayed_tool_calls / expansions, 3),
+            }
+        rollout[f"pool_{pool}"] = row
+    rollout.update(rollout[f"pool_{POOL_SIZES[0]}"])  # the default pool's figures at the top level
     return {"depths": depths, "rollout": rollout}
 
 

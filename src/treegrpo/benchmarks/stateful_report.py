@@ -15,12 +15,14 @@ def table(result: dict[str, Any]) -> list[str]:
             f"{d['replay']['tool_calls']:14d} | {d['speedup']:6.2f}x | {d['snapshot']['snapshot_ms']:.4f}"
         )
     ro = result["cost"]["rollout"]
-    lines.append(
-        f"whole rollouts ({ro['prompts']} prompts, (2,2,2), random SQL actions): snapshot "
-        f"{ro['snapshot']['ms_per_expansion_amortized']:.3f} ms/expansion vs replay "
-        f"{ro['replay']['ms_per_expansion_amortized']:.3f} ms/expansion (+{ro['replay']['replayed_per_expansion']:.2f} "
-        "replayed tool calls per expansion)"
-    )
+    for key in [k for k in ro if k.startswith("pool_")]:
+        r = ro[key]
+        lines.append(
+            f"whole rollouts ({ro['prompts']} prompts, (2,2,2), random SQL actions, {key.replace('_', ' ')}): snapshot "
+            f"{r['snapshot']['ms_per_expansion_amortized']:.3f} ms/expansion vs replay "
+            f"{r['replay']['ms_per_expansion_amortized']:.3f} ms/expansion (+{r['replay']['replayed_per_expansion']:.2f} "
+            "replayed tool calls per expansion)"
+        )
     ex = result["exactness"]
     lines.append(
         f"exactness: {ex['mismatches']} mismatches over {ex['trees']} random trees "
