@@ -76,7 +76,7 @@ def train_cmd(
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     allow_offline_retriever: bool = typer.Option(False, "--allow-offline-retriever", help="Start even if --retriever-url does not answer now."),
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
-    task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic)."),
+    task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic) | sql (a database agent: a stateful tool)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
     n: int | None = typer.Option(None, "--n", "--ts-n", help="Tree: expansions per tree per round (N)."),
@@ -225,163 +225,9 @@ def corpus_cmd(
     typer.echo(f"wrote {n} passages to {out}\n{LICENSE_NOTE}", err=True)
 
 
-bench = typer.Typer(help="Reproducible measurements; results as JSON under benchmarks/results/.", no_args_is_help=True)
+from treegrpo.benchmarks.cli import bench  # noqa: E402  (the bench sub-app)
+
 app.add_typer(bench, name="bench")
-
-
-@bench.command("retrieval")
-def bench_retrieval_cmd(
-    queries: Path = typer.Option(Path("benchmarks/retrieval_queries.jsonl"), help="Query set (made from wiki-vital if missing)."),
-    out: Path = typer.Option(Path("benchmarks/results/retrieval.json"), help="Results JSON."),
-    retrievers: str = typer.Option("bm25,dense,hybrid", help="Comma-separated retriever kinds to serve and measure."),
-    n: int = typer.Option(500, help="Queries per method when the query set is made."),
-    load: bool = typer.Option(True, help="Also run the bounded loopback load test (throughput)."),
-) -> None:
-    """Recall@k on wiki-vital of each retriever through its server, plus server throughput."""
-    from treegrpo.benchmarks.retrieval import run
-    from treegrpo.train.config import ConfigError
-
-    kinds = [k.strip() for k in retrievers.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("bm25", "dense", "hybrid")]
-    if bad or not kinds:
-        typer.echo(f"error: unknown retriever(s) {bad}; choose from bm25, dense, hybrid", err=True)
-        raise typer.Exit(2)
-    try:
-        run(queries, out, kinds, n=n, load=load, log=lambda m: typer.echo(m, err=True))
-    except (ConfigError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-
-@bench.command("packing")
-def bench_packing_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/packing.json"), help="Results JSON (plot next to it, .png)."),
-    prompts: int = typer.Option(8, help="Training questions rolled out per tree shape."),
-    repeats: int = typer.Option(5, help="Timed repeats per variant (median reported)."),
-    seed: int = typer.Option(0, help="Rollout seed."),
-    threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
-) -> None:
-    """Per-path vs tree-packed training (tokens, forward+backward time, peak memory, exactness) on
-    forests from real rollouts of the default tiny agent: tree (2,2,1) and tree (4,5,1)."""
-    from treegrpo.benchmarks.packing import run_bench
-
-    run_bench(out, prompts=prompts, repeats=repeats, seed=seed, threads=threads, log=lambda m: typer.echo(m, err=True))
-
-
-@bench.command("budget")
-def bench_budget_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/budget.json"), help="Results JSON (plot next to it, .png)."),
-    prompts: int = typer.Option(32, help="Training questions rolled out by every configuration."),
-    seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
-    repeats: int = typer.Option(5, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
-    threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
-    model: Path | None = typer.Option(None, help="A bootstrapped agent or a training checkpoint of one (default: the bootstrapped default agent)."),
-) -> None:
-    """Chain at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L), random and nonroot
-    picks, prefix reuse on and off, on the default tiny agent: trajectories, generated tokens,
-    prefill tokens, tool calls, wall seconds; the issue's target ratios with pass/fail."""
-    from treegrpo.benchmarks.budget import run_bench
-
-    if prompts < 1 or repeats < 1 or threads < 0:
-        typer.echo("error: --prompts and --repeats must be >= 1, --threads >= 0", err=True)
-        raise typer.Exit(2)
-    if model is not None and not (model / "treegrpo_tiny.json").is_file():
-        typer.echo(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json)", err=True)
-        raise typer.Exit(2)
-    run_bench(out, prompts=prompts, seed=seed, repeats=repeats, threads=threads or None, model_dir=model)
-
-
-@bench.command("eptree")
-def bench_eptree_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/eptree.json"), help="Results JSON (plot next to it, .png)."),
-    prompts: int = typer.Option(96, help="Training problems rolled out by every sampling method, per seed."),
-    seeds: str = typer.Option("0,1,2", help="Comma-separated sampling seeds (the first also seeds the RL runs)."),
-    rl_steps: int = typer.Option(30, help="Steps of each RL run (0: sampling comparison only)."),
-    rl_seeds: str = typer.Option("0,1", help="Comma-separated seeds: each RL configuration runs once per seed."),
-    rl_prompts_per_step: int = typer.Option(8, help="Prompts per RL step."),
-    rl_lr: float = typer.Option(3e-4, help="RL learning rate."),
-    eval_prompts: int = typer.Option(256, help="Held-out problems evaluated before and after each RL run."),
-    threads: int = typer.Option(1, help="torch intra-op threads (0: leave as is)."),
-) -> None:
-    """EPTree (6,2,1,2) forking at -log p vs random fork points vs 16 (and token-matched) chains on
-    the single-turn arithmetic task: PassRate, distinct correct responses, tokens; then short RL runs
-    with treerl vs grpo advantages and their held-out accuracy."""
-    from treegrpo.benchmarks.eptree import run_bench
-
-    try:
-        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
-        rl_seed_list = [int(x) for x in rl_seeds.split(",") if x.strip()]
-    except ValueError:
-        seed_list = rl_seed_list = []
-    if not seed_list or not rl_seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
-        typer.echo(
-            "error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1", err=True
-        )
-        raise typer.Exit(2)
-    run_bench(
-        out,
-        prompts=prompts,
-        seeds=seed_list,
-        rl_steps=rl_steps,
-        rl_seeds=rl_seed_list,
-        rl_prompts_per_step=rl_prompts_per_step,
-        rl_lr=rl_lr,
-        eval_prompts=eval_prompts,
-        threads=threads or None,
-        log=lambda m: typer.echo(m, err=True),
-    )
-
-
-@bench.command("learn")
-def bench_learn_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/learn.json"), help="Results JSON (plot next to it, .png)."),
-    quick: bool = typer.Option(False, "--quick", help="Budgets 2 and 4 (and the advantage ablation) only."),
-    regime: str = typer.Option("default", help="World preset + RL settings (see benchmarks/README.md)."),
-    world_seed: str = typer.Option("", "--world-seed", help="Comma-separated world seeds (default: the preset's world); each gets its own starting policy."),
-    seeds: int = typer.Option(3, help="RL seeds per configuration (0..K-1), paired across configurations."),
-    jobs: int = typer.Option(2, help="Runs in parallel (one torch thread each)."),
-    steps: int | None = typer.Option(None, help="Override the regime's RL steps."),
-    lr: float | None = typer.Option(None, help="Override the regime's learning rate."),
-    prompts_per_step: int | None = typer.Option(None, help="Override the regime's prompts per step."),
-    eval_every: int | None = typer.Option(None, help="Override the regime's steps between evaluations."),
-    expand_modes: str = typer.Option("random,nonroot,entropy", help="Comma-separated tree pick modes to train."),
-    budgets: str = typer.Option("", help="Comma-separated budgets out of 2,4,8,16 (default: all, or 2,4 with --quick)."),
-    resume: bool = typer.Option(False, "--resume", help="Keep the finished runs of --out (same regime and starting policy)."),
-) -> None:
-    """Chain GRPO at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L) with random and
-    guided picks, plus the intra/inter advantage ablation, trained from one starting policy:
-    held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens."""
-    from treegrpo.benchmarks.learn import BUDGETS, EXPAND_MODES, REGIMES, run_bench
-
-    try:
-        worlds = [int(x) for x in world_seed.split(",") if x.strip()]
-    except ValueError:
-        typer.echo(f"error: --world-seed {world_seed!r}: give integers, e.g. --world-seed 0,1", err=True)
-        raise typer.Exit(2) from None
-    modes = [m.strip() for m in expand_modes.split(",") if m.strip()]
-    problems = []
-    try:
-        budget_list = [int(x) for x in budgets.split(",") if x.strip()]
-    except ValueError:
-        budget_list = [0]
-    if any(b not in BUDGETS for b in budget_list):
-        problems.append(f"--budgets {budgets!r}: choose among {','.join(map(str, BUDGETS))}")
-    if regime not in REGIMES:
-        problems.append(f"--regime {regime!r}: choose one of {', '.join(sorted(REGIMES))}")
-    if bad := [m for m in modes if m not in EXPAND_MODES]:
-        problems.append(f"--expand-modes: unknown {', '.join(bad)}; choose from {', '.join(EXPAND_MODES)}")
-    if any(v is not None and v < 1 for v in (steps, prompts_per_step, eval_every)) or seeds < 1 or jobs < 1:
-        problems.append("--seeds, --jobs, --steps, --prompts-per-step and --eval-every must be >= 1")
-    if lr is not None and not lr > 0:
-        problems.append("--lr must be > 0")
-    if problems:
-        typer.echo("error: " + "; ".join(problems), err=True)
-        raise typer.Exit(2)
-    run_bench(
-        out, regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
-        lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
-        budgets=budget_list or None, resume=resume,
-    )
 
 
 @app.command("plan")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-ActionKind = Literal["search", "answer", "invalid"]
+ActionKind = Literal["search", "answer", "invalid", "sql", "kv"]  # sql, kv: the stateful tools (tasks/sql, tasks/kv)
 
 
 @dataclass

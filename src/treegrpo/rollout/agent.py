@@ -10,6 +10,11 @@ context; malformed actions get Search-R1's "invalid action" observation (DESIGN.
 ends with EOS and no action ends its trajectory there (a leaf scored like any unanswered end):
 nothing is ever generated or appended after EOS within a turn — an instruct model's end-of-turn
 token is not followed by an invalid-action text outside any chat turn.
+
+A stateful env (:mod:`treegrpo.envs.state`) also gets each trajectory's state handle
+(``Cursor.state``); a trajectory that starts at a node gets that node's state from a
+:class:`~treegrpo.rollout.state.StateKeeper` (restored, forked or replayed). Stateless envs take
+exactly the path they always took.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task
 from treegrpo.rollout.engine import Engine, Generation, SamplingParams
+from treegrpo.rollout.state import StateKeeper
 from treegrpo.tree import Forest, Node, Tree
 
 
@@ -59,6 +65,8 @@ class Budget:
     retrieval_errors: int = 0
     invalid_actions: int = 0
     context_overflows: int = 0
+    replayed_tool_calls: int = 0
+    """Tool calls a stateful env's replay made to rebuild a branch node's state (not in ``tool_calls``)."""
 
     def count_step(self, gen: Generation, outcome: StepOutcome) -> None:
         """Count one engine request and what the env did with it: the one place a step's cost
@@ -97,7 +105,9 @@ class RolloutResult:
 
 @dataclass
 class Cursor:
-    """A trajectory in flight: its next step becomes a child of ``parent_id`` in ``tree``."""
+    """A trajectory in flight: its next step becomes a child of ``parent_id`` in ``tree``.
+    ``state``: a stateful env's live state handle (``None`` until the loop gives it the state of
+    ``parent_id``; always ``None`` for a stateless env)."""
 
     forest_index: int
     tree: Tree
@@ -105,6 +115,7 @@ class Cursor:
     context: list[int]
     turn: int
     task: Task
+    state: Any = None
 
 
 @dataclass
@@ -213,15 +224,38 @@ class StepRunner:
         returns join the batch from the next turn on (a sampler starts a prompt's expansions as
         soon as that prompt's own trajectories are done, without waiting for the other prompts).
         """
-        params = params or self.params
+        keeper = StateKeeper.for_env(self.env)
+        try:
+            return self._run_turns(cursors, budgets, generator, params or self.params, on_end, keeper)
+        finally:
+            if keeper is not None:
+                keeper.release()
+
+    def _run_turns(
+        self,
+        cursors: Sequence[Cursor],
+        budgets: Sequence[Budget],
+        generator: torch.Generator | None,
+        params: SamplingParams,
+        on_end: Callable[[Cursor], Sequence[Cursor]] | None,
+        keeper: StateKeeper | None,
+    ) -> int:
         active = list(cursors)
         calls = 0
         while active:
+            if keeper is not None:  # a new trajectory starts in its start node's state
+                for c in active:
+                    if c.state is None:
+                        c.state, replayed = keeper.state_at(c.tree, c.parent_id, c.task)
+                        budgets[c.forest_index].replayed_tool_calls += replayed
             fits = [c for c in active if self.has_room(c.context)]
             if len(fits) < len(active):  # a prompt longer than the context budget: a leaf, no generation
                 for c in active:
                     if not self.has_room(c.context):
                         self.end_without_room(c.tree, c.parent_id, c.task, c.turn, budgets[c.forest_index])
+                        if keeper is not None:
+                            keeper.close(c.state)
+                            c.state = None
                         fits.extend(on_end(c) if on_end is not None else ())
                 active = fits
                 continue
@@ -229,11 +263,12 @@ class StepRunner:
             calls += 1
             texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=False) for g in gens]
             allowed = [c.turn < self.cfg.max_turns for c in active]
+            kwargs: dict[str, Any] = {}
             if getattr(self.env, "needs_history", False):  # e.g. a format-aware reward
-                histories = [[(n.text, n.observation) for n in c.tree.path(c.parent_id)[1:]] for c in active]
-                outcomes = self.env.step([c.task for c in active], texts, allowed, histories=histories)  # type: ignore[call-arg]
-            else:
-                outcomes = self.env.step([c.task for c in active], texts, allowed)
+                kwargs["histories"] = [[(n.text, n.observation) for n in c.tree.path(c.parent_id)[1:]] for c in active]
+            if keeper is not None:
+                kwargs["states"] = [c.state for c in active]
+            outcomes = self.env.step([c.task for c in active], texts, allowed, **kwargs)
             still: list[Cursor] = []
             for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
                 budgets[c.forest_index].count_step(g, out)
@@ -267,6 +302,12 @@ class StepRunner:
                 if out.retrieval_error:
                     node.extra["retrieval_error"] = True
                 c.tree.add(node)
+                if keeper is not None:
+                    if done:
+                        keeper.close(c.state)
+                        c.state = None
+                    else:
+                        keeper.record(c.tree, node.id, c.state)
                 if not done:
                     c.context = c.context + node.tokens
                     c.parent_id = node.id

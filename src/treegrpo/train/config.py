@@ -63,9 +63,9 @@ class TrainConfig(BaseModel):
         "auto",
         description="search_r1 | minimal | a format string with {question}; auto = minimal for the tiny agent, search_r1 otherwise.",
     )
-    task: Literal["search", "arith"] = Field(
+    task: Literal["search", "arith", "sql"] = Field(
         "search",
-        description="search (agent with a retriever: the synthetic world or --data) | arith (single-turn multi-step arithmetic, its own problems and tiny starting policy).",
+        description="search (agent with a retriever: the synthetic world or --data) | arith (single-turn multi-step arithmetic, its own problems and tiny starting policy) | sql (a database agent whose SQL statements read and write: a stateful tool, its own problems and tiny starting policy).",
     )
     reward: Literal["em", "sub_em", "f1", "format"] = Field(
         "em",

@@ -1,0 +1,102 @@
+"""The library side of the state protocol (:mod:`treegrpo.envs.state`): which state a trajectory
+continued from a node starts in.
+
+One :class:`StateKeeper` lives for one :meth:`~treegrpo.rollout.agent.StepRunner.run_turns` call
+(a sampler's whole rollout). After each step that does not end its trajectory the keeper keeps
+the node's state (``snapshot`` or ``fork`` mode; nothing in ``replay`` mode); a trajectory that
+starts at a node gets :meth:`StateKeeper.state_at`: the kept state of the node restored (or
+forked), else — replay mode, or a node whose state was not kept, e.g. from an earlier
+``run_turns`` call — the nearest kept ancestor's state (the initial state at the root) with the
+recorded steps of the rest of the path replayed on it. Everything is released when the rollout
+ends (:meth:`StateKeeper.release`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from treegrpo.envs.base import Task
+from treegrpo.envs.state import ReplayDivergence, StateMode, state_mode
+from treegrpo.tree import Tree
+
+
+@dataclass
+class StateKeeper:
+    """Per-node states of the trees of one rollout, for one stateful env."""
+
+    env: Any
+    mode: StateMode
+    _kept: dict[int, tuple[Tree, dict[int, Any]]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_env(cls, env: Any) -> StateKeeper | None:
+        """A keeper for ``env``; ``None`` for a stateless env (nothing to keep)."""
+        mode = state_mode(env)
+        return None if mode == "stateless" else cls(env, mode)
+
+    def record(self, tree: Tree, node_id: int, state: Any) -> None:
+        """Keep the state of node ``node_id`` (``state``, the live state right after its step)."""
+        if self.mode == "replay":
+            return
+        handle = self.env.snapshot(state) if self.mode == "snapshot" else self.env.fork(state)
+        kept = self._kept.setdefault(id(tree), (tree, {}))[1]
+        if node_id in kept:
+            self.env.close_state(kept[node_id])
+        kept[node_id] = handle
+
+    def kept(self, tree: Tree, node_id: int) -> bool:
+        """Whether the state of node ``node_id`` is kept (a branch from it needs no replay)."""
+        return node_id in self._kept.get(id(tree), (tree, {}))[1]
+
+    def state_at(self, tree: Tree, node_id: int, task: Task) -> tuple[Any, int]:
+        """A fresh live state equal to the world's state at node ``node_id``, and the tool calls
+        replayed to build it (0 when the node's state was kept, or at the root).
+
+        Raises:
+            ReplayDivergence: a replayed step ended the trajectory, or took another kind of action
+                than it did when it was recorded.
+        """
+        path = tree.path(node_id)
+        kept = self._kept.get(id(tree), (tree, {}))[1]
+        start, state = 0, None
+        for i in range(len(path) - 1, 0, -1):
+            handle = kept.get(path[i].id)
+            if handle is not None:
+                state = self.env.restore(handle) if self.mode == "snapshot" else self.env.fork(handle)
+                start = i
+                break
+        if state is None:
+            state = self.env.initial_state(task)
+        replayed = 0
+        history = [(nd.text, nd.observation) for nd in path[1 : start + 1]]
+        for nd in path[start + 1 :]:
+            kwargs: dict[str, Any] = {"states": [state]}
+            if getattr(self.env, "needs_history", False):
+                kwargs["histories"] = [list(history)]
+            out = self.env.step([task], [nd.text], [True], **kwargs)[0]
+            replayed += out.tool_calls
+            if out.done or out.kind != nd.extra.get("kind"):
+                self.env.close_state(state)
+                raise ReplayDivergence(
+                    f"replaying node {nd.id} of task {task.id!r}: recorded a {nd.extra.get('kind')!r} step that went on, "
+                    f"replayed a {out.kind!r} step{' that ended the trajectory' if out.done else ''}; the env must be "
+                    "deterministic for state_mode 'replay' (or provide snapshot/restore or fork)"
+                )
+            history.append((nd.text, nd.observation))
+        return state, replayed
+
+    def close(self, state: Any) -> None:
+        """Release a live state (its trajectory ended)."""
+        if state is not None:
+            self.env.close_state(state)
+
+    def release(self) -> None:
+        """Release every kept state (the rollout is over)."""
+        for _, kept in self._kept.values():
+            for handle in kept.values():
+                self.env.close_state(handle)
+        self._kept.clear()
+
+
+__all__ = ["StateKeeper"]
