@@ -31,7 +31,7 @@ Search-R1 server at ``--retriever-url``); with no ``--model`` the search world's
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from treegrpo.tasks.wikiqa import NAME as WIKIQA
 from treegrpo.tasks.wikiqa import Split, wiki_vital_qa
 from treegrpo.tasks.world.task import starting_model as world_starting_model
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.warmup import Demo
 
 QUESTION_MARKER = "Question:"
 #: Built-in question sets a run names instead of a file: name -> split -> tasks.
@@ -222,3 +223,26 @@ def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
 
 
 DATAFILE = TaskFamily("datafile", world_starting_model, source)
+
+
+def search_demos(tasks: Sequence[Task], env: SearchEnv) -> list[Demo]:
+    """One protocol demonstration per question, for a warm-up of any model: search the question
+    (a ``wiki-vital-qa`` question: its quoted clue), read the passages, answer with the first gold
+    answer. Only questions whose observation contains that answer get a demo (each demo is true
+    to what it read); searches are batched into one retriever call."""
+    queries = [_clue(t.question) for t in tasks]
+    steps = [f"<think> I need to look this up. </think>\n<search> {q} </search>" for q in queries]
+    outs = env.step(list(tasks), steps, [True] * len(tasks))
+    demos = []
+    for task, step, out in zip(tasks, steps, outs, strict=True):
+        answer = task.answers[0]
+        if out.observation and answer.lower() in out.observation.lower():
+            final = f"<think> The passages name it: {answer}. </think>\n<answer> {answer} </answer>"
+            demos.append(Demo(task, [(step, out.observation), (final, None)], "correct", 1.0))
+    return demos
+
+
+def _clue(question: str) -> str:
+    """The text worth searching in a question: a quoted clue when there is one, else the question."""
+    parts = question.split('"')
+    return parts[1].strip() if len(parts) >= 3 and parts[1].strip() else question.strip()

@@ -13,6 +13,7 @@ import torch
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import StepRunner
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+from treegrpo.tree import Tree
 
 EVAL_SEED = 12345  # evaluation draws from its own stream, never from the training RNG
 
@@ -38,9 +39,20 @@ def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) ->
             torch.Generator().manual_seed(EVAL_SEED),
         )
         leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
+        out[f"eval/well_formed_{name}"] = sum(
+            well_formed(f.trees[ti], leaf.id) for f in result.forests for ti, leaf in f.leaves()
+        ) / max(1, len(leaves))
         out[f"eval/success_{name}"] = sum(float(leaf.reward or 0.0) for leaf in leaves) / max(1, len(leaves))
         out[f"eval/tool_calls_{name}"] = result.total().tool_calls / max(1, len(leaves))
     return out
+
+
+def well_formed(tree: Tree, leaf_id: int) -> bool:
+    """A trajectory that followed the protocol: every step a valid action, ending in an answer."""
+    steps = tree.path(leaf_id)[1:]
+    return bool(steps) and steps[-1].extra.get("kind") == "answer" and all(
+        n.extra.get("kind") in ("search", "answer") for n in steps
+    )
 
 
 def headline(ev: dict[str, float]) -> float:
@@ -48,4 +60,4 @@ def headline(ev: dict[str, float]) -> float:
     return ev.get("eval/success_sampled", ev["eval/success_greedy"])
 
 
-__all__ = ["EVAL_SEED", "evaluate", "headline"]
+__all__ = ["EVAL_SEED", "evaluate", "headline", "well_formed"]

@@ -1,0 +1,69 @@
+"""treegrpo warmup on a real architecture and tokenizer (SmolLM2 cut to 2 layers): demonstrations
+made from the questions and the retriever, encoded through the chat template, a loadable output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from treegrpo.cli import app
+from treegrpo.envs.base import Task
+from treegrpo.envs.search import SearchEnv
+from treegrpo.models.loader import load_pretrained
+from treegrpo.retrieval.base import Doc
+from treegrpo.retrieval.bm25 import BM25Retriever
+from treegrpo.tasks.datafile import search_demos
+from treegrpo.tasks.wikiqa import make_question
+
+ARTICLES = [
+    ("Mount Kilimanjaro", "Mount Kilimanjaro is a large dormant volcano in Tanzania. It has three cones."),
+    ("Frederick Chopin", "Frederick Chopin was a Polish composer and virtuoso pianist of the Romantic period."),
+    ("Amazon River", "Amazon River is the largest river by discharge volume of water in the world."),
+    ("Great Barrier Reef", "Great Barrier Reef is the world's largest coral reef system, off the coast of Queensland."),
+    ("Marie Curie", "Marie Curie was a Polish and naturalised-French physicist and chemist who pioneered research on radioactivity."),
+    ("Sahara", "Sahara is a desert spanning North Africa, the largest hot desert in the world."),
+]
+
+
+def _files(tmp: Path) -> tuple[Path, Path]:
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"{t}\n{s}"}) + "\n" for i, (t, s) in enumerate(ARTICLES)))
+    data = tmp / "q.jsonl"
+    rows = [{"id": f"q{i}", "question": make_question(t, s), "answers": [t]} for i, (t, s) in enumerate(ARTICLES)]
+    assert all(r["question"] for r in rows)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return corpus, data
+
+
+def test_search_demos_are_true_to_what_they_read() -> None:
+    docs = [Doc(str(i), f"{t}\n{s}") for i, (t, s) in enumerate(ARTICLES)]
+    env = SearchEnv(BM25Retriever(docs), topk=1)
+    tasks = [Task("a", make_question(*ARTICLES[0]) or "", [ARTICLES[0][0]]), Task("b", "zzz qqq", ["Nowhere Land"])]
+    (demo,) = search_demos(tasks, env)  # the second question's search does not find its answer
+    (search, obs), (answer, none) = demo.steps
+    assert "<search> This is a large dormant volcano in Tanzania. </search>" in search
+    assert "Mount Kilimanjaro" in obs and none is None and answer.endswith("<answer> Mount Kilimanjaro </answer>")
+
+
+def test_warmup_command_writes_a_model_folder(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    corpus, data = _files(tmp_path)
+    out = tmp_path / "warm"
+    res = CliRunner().invoke(
+        app,
+        ["warmup", "--model", str(smollm2_2layer_dir), "--data", str(data), "--corpus", str(corpus), "--out", str(out),
+         "--demos", "4", "--eval-prompts", "1", "--set", "eval_sampled=false", "--set", "max_step_tokens=24",
+         "--set", "max_turns=2"],
+    )
+    assert res.exit_code == 0, res.output
+    record = json.loads((out / "treegrpo_warmup.json").read_text())
+    assert record["demos"] >= 3 and record["sft"]["steps"] >= 1
+    assert "eval/well_formed_greedy" in record["eval_before"] and "eval/well_formed_greedy" in record["eval_after"]
+    m = load_pretrained(out)  # a --model for treegrpo train
+    assert m.model.config.num_hidden_layers == 2 and m.tokenizer.chat_template
+
+
+def test_warmup_needs_data(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["warmup", "--model", "x", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2  # typer: --data is required
