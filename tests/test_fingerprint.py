@@ -44,10 +44,10 @@ def test_fingerprint_follows_the_module_source(tmp_path: Path, monkeypatch: pyte
 
 def test_bootstrap_cache_key_includes_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
     from treegrpo import fingerprint
-    from treegrpo.tasks.world import bootstrap
+    from treegrpo.tasks import recipe
 
     key = BootstrapConfig().config_hash()
-    monkeypatch.setattr(bootstrap, "code_fingerprint", lambda mods: "other-code")
+    monkeypatch.setattr(recipe, "code_fingerprint", lambda mods: "other-code")
     assert BootstrapConfig().config_hash() != key
     assert "treegrpo.train.warmup" in WEIGHT_MODULES and "treegrpo.tasks.world.demos" in WEIGHT_MODULES
     fingerprint._fingerprint.cache_clear()

@@ -13,8 +13,6 @@ The tokenizer splits every digit into its own token (numbers are spelled digit b
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -28,7 +26,7 @@ from tokenizers import pre_tokenizers
 from treegrpo.envs.base import Task
 from treegrpo.fingerprint import code_fingerprint
 from treegrpo.io import atomic_write_dir, user_cache_dir
-from treegrpo.models.loader import MARKER_FILE, tiny_info
+from treegrpo.models.loader import tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
 from treegrpo.progress import phase, progress_bars
 from treegrpo.rollout.agent import AgentConfig, StepRunner
@@ -42,7 +40,8 @@ from treegrpo.tasks.arith.problems import (
     build_problems,
     worked_solution,
 )
-from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demo, supervised_warmup
+from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
+from treegrpo.train.warmup import Demo, demo_texts, encode_demo, supervised_warmup
 
 ARITH_BOOTSTRAP_VERSION = 1
 # The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
@@ -53,6 +52,7 @@ WEIGHT_MODULES = (
     "treegrpo.tasks.arith.problems",
     "treegrpo.tasks.arith.bootstrap",
     "treegrpo.train.warmup",
+    "treegrpo.tasks.recipe",
 )
 
 
@@ -107,10 +107,7 @@ class ArithBootstrapConfig:
 
     def config_hash(self) -> str:
         """A short hash of the settings, the recipe version and the code that runs the recipe."""
-        blob = json.dumps(
-            {"v": ARITH_BOOTSTRAP_VERSION, "code": code_fingerprint(WEIGHT_MODULES), **self.to_dict()}, sort_keys=True
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return recipe_hash(ARITH_BOOTSTRAP_VERSION, WEIGHT_MODULES, self.to_dict())
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         """Agent-loop settings for this task: one turn, ``max_new_tokens`` per generation."""
@@ -226,14 +223,7 @@ def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) ->
         phase(prog, f"arith: {len(demos)} demos; vocab {len(tok)}; model {n_params / 1e6:.2f}M params")
 
         t = time.perf_counter()
-        sft_cfg = WarmupConfig(
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            warmup_frac=cfg.warmup_frac,
-            grad_clip=cfg.grad_clip,
-        )
+        sft_cfg = warmup_config_of(cfg)
         sft = supervised_warmup(model, encoded, sft_cfg, tok.pad_token_id, rng, prog)
         timings["sft_s"] = time.perf_counter() - t
 
@@ -281,8 +271,7 @@ def arith_model_dir(cfg: ArithBootstrapConfig | None = None) -> Path:
 
 def is_arith_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete arithmetic starting policy (its record is written last)."""
-    folder = Path(folder)
-    return (folder / MARKER_FILE).is_file() and "warmup_eval" in tiny_info(folder)
+    return is_complete(folder)
 
 
 def ensure_arith_bootstrapped(

@@ -9,8 +9,6 @@ The tokenizer splits every digit into its own token (balances are copied digit b
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -24,11 +22,12 @@ from tokenizers import pre_tokenizers
 from treegrpo.envs.base import Task
 from treegrpo.fingerprint import code_fingerprint
 from treegrpo.io import atomic_write_dir, user_cache_dir
-from treegrpo.models.loader import MARKER_FILE, tiny_info
+from treegrpo.models.loader import tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
 from treegrpo.progress import phase, progress_bars, torch_threads
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
+from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
 from treegrpo.tasks.sql.demos import make_demos
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import SqlConfig, build_problems
@@ -46,6 +45,7 @@ WEIGHT_MODULES = (
     "treegrpo.tasks.sql.demos",
     "treegrpo.tasks.sql.bootstrap",
     "treegrpo.train.warmup",
+    "treegrpo.tasks.recipe",
 )
 
 
@@ -103,10 +103,7 @@ class SqlBootstrapConfig:
 
     def config_hash(self) -> str:
         """A short hash of the settings, the recipe version and the code that runs the recipe."""
-        blob = json.dumps(
-            {"v": SQL_BOOTSTRAP_VERSION, "code": code_fingerprint(WEIGHT_MODULES), **self.to_dict()}, sort_keys=True
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return recipe_hash(SQL_BOOTSTRAP_VERSION, WEIGHT_MODULES, self.to_dict())
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         return AgentConfig(
@@ -119,15 +116,8 @@ class SqlBootstrapConfig:
         )
 
     def warmup_config(self) -> WarmupConfig:
-        return WarmupConfig(
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            pack_len=self.pack_len,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            warmup_frac=self.warmup_frac,
-            grad_clip=self.grad_clip,
-        )
+        """The supervised warm-up recipe of this bootstrap."""
+        return warmup_config_of(self)
 
 
 def sql_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
@@ -228,8 +218,7 @@ def sql_model_dir(cfg: SqlBootstrapConfig | None = None) -> Path:
 
 def is_sql_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete SQL starting policy (its record is written last)."""
-    folder = Path(folder)
-    return (folder / MARKER_FILE).is_file() and "warmup_eval" in tiny_info(folder)
+    return is_complete(folder)
 
 
 def ensure_sql_bootstrapped(cfg: SqlBootstrapConfig | None = None, progress: bool = True, force: bool = False) -> Path:

@@ -10,8 +10,6 @@ cached under ``user_cache_dir()/models/<preset>-<config hash>``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -29,6 +27,7 @@ from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
 from treegrpo.progress import phase, progress_bars, torch_threads
 from treegrpo.rollout.agent import AgentConfig, StepRunner
+from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
 from treegrpo.tasks.world.demos import aux_demo_tasks, aux_worlds, make_demos, make_env
 from treegrpo.tasks.world.world import World, WorldConfig, build_world, get_preset
 from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demo, supervised_warmup
@@ -47,6 +46,7 @@ WEIGHT_MODULES = (
     "treegrpo.tasks.world.demos",
     "treegrpo.tasks.world.bootstrap",
     "treegrpo.train.warmup",
+    "treegrpo.tasks.recipe",
 )
 
 
@@ -154,17 +154,7 @@ class BootstrapConfig:
 
     def warmup_config(self) -> WarmupConfig:
         """The supervised warm-up recipe of this bootstrap."""
-        return WarmupConfig(
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            pack_len=self.pack_len,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            warmup_frac=self.warmup_frac,
-            lr_decay_frac=self.lr_decay_frac,
-            decision_weight=self.decision_weight,
-            grad_clip=self.grad_clip,
-        )
+        return warmup_config_of(self)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -174,11 +164,8 @@ class BootstrapConfig:
 
     def config_hash(self) -> str:
         """A short hash of everything that determines the weights: the settings, the recipe version,
-        and the code and library versions that run the recipe (:func:`~treegrpo.fingerprint.code_fingerprint`)."""
-        blob = json.dumps(
-            {"v": BOOTSTRAP_VERSION, "code": code_fingerprint(WEIGHT_MODULES), **self.to_dict()}, sort_keys=True
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        and the code and library versions that run the recipe (:func:`~treegrpo.tasks.recipe.recipe_hash`)."""
+        return recipe_hash(BOOTSTRAP_VERSION, WEIGHT_MODULES, self.to_dict())
 
 
 def measure_policy(
@@ -335,8 +322,7 @@ def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
 
 def is_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete bootstrapped model (written last, atomically)."""
-    folder = Path(folder)
-    return (folder / MARKER_FILE).is_file() and "warmup_eval" in tiny_info(folder)
+    return is_complete(folder)
 
 
 def ensure_bootstrapped(
