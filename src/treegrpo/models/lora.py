@@ -155,9 +155,13 @@ def load_adapter(model: torch.nn.Module, folder: Path) -> None:
 
     path = Path(folder) / ADAPTER_DIR / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise ConfigError(f"{folder} holds no LoRA adapter ({ADAPTER_DIR}/{ADAPTER_WEIGHTS}); it was not saved by a LoRA run")
+        raise ConfigError(
+            f"{folder} holds no LoRA adapter ({ADAPTER_DIR}/{ADAPTER_WEIGHTS}); it was not saved by a LoRA run"
+        )
     peft = _peft()
     result = peft.set_peft_model_state_dict(model, load_file(str(path)))
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
-        raise ConfigError(f"{path}: adapter tensors that this run's adapter does not have ({unexpected[0]}, ...)")
+        raise ConfigError(
+            f"{path}: adapter tensors that this run's adapter does not have ({unexpected[0]}, ...)"
+        )

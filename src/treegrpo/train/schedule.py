@@ -24,7 +24,12 @@ __all__ = ["lr_at", "set_lr"]
 
 
 def lr_at(
-    step: int, lr: float, steps: int, warmup_steps: int = 0, schedule: str = "constant", min_lr_ratio: float = 0.0
+    step: int,
+    lr: float,
+    steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
 ) -> float:
     """The learning rate of RL step ``step`` (1-based) of ``steps`` (module docstring)."""
     if step < 1:
