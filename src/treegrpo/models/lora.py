@@ -64,9 +64,12 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     target_modules: list[str] | str = "all-linear",
+    seed: int = 0,
 ) -> torch.nn.Module:
     """``model`` wrapped with a LoRA adapter of ``rank`` (the base frozen, only adapters train).
-    ``target_modules`` ``["all-linear"]`` (or the string) = every linear layer but the LM head."""
+    ``target_modules`` ``["all-linear"]`` (or the string) = every linear layer but the LM head.
+    The adapter's random ``lora_A`` is drawn from ``seed`` (the global RNG is left as it was), so
+    a run's adapter depends on its seed only."""
     peft = _peft()
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
@@ -77,8 +80,10 @@ def apply_lora(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        with warnings.catch_warnings(), torch.random.fork_rng():
+            # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            torch.manual_seed(seed)
             return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. target modules not found in the model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

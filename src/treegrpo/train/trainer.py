@@ -269,17 +269,22 @@ def _advantages(result: RolloutResult, estimator: str, adv_cfg: AdvantageConfig,
 
 def policy_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """The module trained: ``model`` (loaded in ``cfg.dtype``) with gradient checkpointing
-    (transformers' ``gradient_checkpointing_enable``, non-reentrant) when asked, wrapped with a
-    LoRA adapter (peft) when ``cfg.lora_rank > 0``."""
+    (transformers' ``gradient_checkpointing_enable``, non-reentrant; ``activation_checkpointing_enable``
+    as transformers >= 5.x names it) when asked, wrapped with a LoRA adapter (peft) when
+    ``cfg.lora_rank > 0``."""
     if cfg.gradient_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
             raise ConfigError(
                 f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable (not a transformers model)"
             )
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_rank and not is_lora(model):
-        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        model = apply_lora(
+            model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, seed=cfg.seed
+        )
     return model
 
 
