@@ -242,3 +242,15 @@ def test_a_bf16_full_fine_tuning_update_runs_on_smollm2(smollm2_2layer_dir: Path
     assert all(math.isfinite(v) for v in m.values())
     assert next(model.parameters()).dtype == torch.bfloat16
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_trainer_follows_the_schedule(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Warm-up over 2 of 4 steps then cosine to 0.1·lr, from the tiny agent's auto lr (5e-4):
+    steps 1..4 train at 2.5e-4, 5e-4 (peak), 5e-4 (p = 0), 5e-5 (p = 1: the floor on the last step)."""
+    out = tmp_path / "run"
+    cfg = small_cfg(out, steps=4, save_every=0, lr_warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    train(cfg, parts=parts_for(tiny_model_dir))
+    lrs = [r["actor/lr"] for r in _rows(out)[1:]]
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 5e-4, 5e-5], rel=1e-12)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == pytest.approx([5e-5])

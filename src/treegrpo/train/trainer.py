@@ -196,7 +196,8 @@ def train(
             advs = _advantages(result, estimator, adv_cfg, parts.env)
             n_traj = sum(f.n_trajectories() for f in result.forests)
             # 3. policy update: packed (each shared token once) or per path, see train/update.py
-            set_lr(optimizer, lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+            lr = lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+            set_lr(optimizer, lr)  # warm-up and schedule: one value per RL step
             metrics = update(
                 model,
                 ref_model,
@@ -219,7 +220,7 @@ def train(
             metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
             metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
-                metrics["actor/lr"] = optimizer.param_groups[0]["lr"]
+                metrics["actor/lr"] = lr
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 run.last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
                 metrics.update(run.last_eval)
