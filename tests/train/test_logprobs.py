@@ -1,5 +1,7 @@
 """The one log-prob/entropy read-out from logits (both training layouts use it): values by hand,
-the source-position convention, and chunking (bit-identical to one piece)."""
+the source-position convention, chunking of the log-softmax (bit-identical to one piece) and the
+chunked read-out from hidden states under autograd (equal to the full logits to 1e-6, and no
+``[tokens, vocab]`` tensor is kept for backward)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from test_packing import PAD, forests_for_tests
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.models.loader import load_model
 from treegrpo.train.batching import collate, forest_sequences, token_logprobs
-from treegrpo.train.logprobs import logprobs_from_logits
+from treegrpo.train.logprobs import logprobs_from_hidden, logprobs_from_logits, split_head
 from treegrpo.train.packing import pack_forests, packed_logprobs
 
 
@@ -27,19 +29,44 @@ def test_values_by_hand() -> None:
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     torch.testing.assert_close(lp, torch.tensor([[0.0, math.log(0.25), math.log(0.75)]]), rtol=0, atol=1e-7)
     torch.testing.assert_close(ent, torch.tensor([[0.0, h, h]]), rtol=0, atol=1e-7)
+    # the same from hidden states through an identity "head", one position per chunk
+    lp2, ent2 = logprobs_from_hidden(z, lambda h_: h_, src, tgt, with_entropy=True, chunk_tokens=1)
+    assert ent2 is not None
+    torch.testing.assert_close(lp2, lp, rtol=0, atol=1e-7)
+    torch.testing.assert_close(ent2, ent, rtol=0, atol=1e-7)
 
 
 def test_chunk_size_is_validated() -> None:
     z = torch.zeros(1, 2, 3)
     with pytest.raises(ValueError, match="chunk_tokens"):
         logprobs_from_logits(z, torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), chunk_tokens=0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        logprobs_from_hidden(z, lambda h: h, torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]), chunk_tokens=0)
+
+
+def test_logsoftmax_chunking_is_bit_identical() -> None:
+    """Chunking only the log-softmax of given logits: the same bits, values and gradient."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 11, 50, generator=g, requires_grad=True)
+    src = torch.randint(-1, 11, (3, 11), generator=g)
+    tgt = torch.randint(0, 50, (3, 11), generator=g)
+    outs = {}
+    for chunk in (None, 1, 7, 100):
+        z.grad = None
+        lp, ent = logprobs_from_logits(z, src, tgt, with_entropy=True, chunk_tokens=chunk, temperature=0.7)
+        assert ent is not None
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        outs[chunk] = (lp.detach(), ent.detach(), z.grad.clone())
+    for chunk in (1, 7, 100):
+        assert all(torch.equal(a, b) for a, b in zip(outs[None], outs[chunk], strict=True)), chunk
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_chunked_is_bit_identical(tiny_model_dir: Path, packed: bool) -> None:
-    """Log-probs, entropies and the gradient through them are the same bits for every chunk size
-    (each position's log-softmax is computed alone either way)."""
+def test_hidden_state_chunks_match_the_full_logits(tiny_model_dir: Path, packed: bool) -> None:
+    """Log-probs, entropies and the gradient through them (all parameters, the LM head included)
+    equal the full-logits computation to 1e-6, for every chunk size, at a temperature."""
     model = load_model(tiny_model_dir)
+    assert split_head(model) is not None  # the tiny Qwen2 qualifies for the hidden-state path
     forests = forests_for_tests()
     seqs = forest_sequences(forests, [token_advantages(f, "grpo") for f in forests])
 
@@ -49,17 +76,49 @@ def test_chunked_is_bit_identical(tiny_model_dir: Path, packed: bool) -> None:
         batches = pack_forests(forests, max_tokens=150, pad_id=PAD) if packed else [collate(seqs, PAD)]
         for b in batches:
             if packed:
-                lp, ent = packed_logprobs(model, b, with_entropy=True, chunk_tokens=chunk)
+                lp, ent = packed_logprobs(model, b, with_entropy=True, chunk_tokens=chunk, temperature=0.8)
             else:
-                lp, ent = token_logprobs(model, b, with_entropy=True, chunk_tokens=chunk)
-            assert ent is not None
+                lp, ent = token_logprobs(model, b, with_entropy=True, chunk_tokens=chunk, temperature=0.8)
+            assert ent is not None and lp.dtype == torch.float32
             (lp.sum() + 0.1 * ent.sum()).backward()
             outs += [lp.detach(), ent.detach()]
         return outs, torch.cat([p.grad.flatten() for p in model.parameters()])
 
     whole, g_whole = run(None)
-    for chunk in (1, 7, 100):
+    for chunk in (1, 7, 100, 1 << 20):
         part, g_part = run(chunk)
-        assert all(torch.equal(a, b) for a, b in zip(whole, part, strict=True)), chunk
-        assert torch.equal(g_whole, g_part), chunk
+        for a, b in zip(whole, part, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)  # float32 rounding of the head matmul
+        scale = float(g_whole.abs().max())
+        assert float((g_part - g_whole).abs().max()) <= 1e-6 * max(1.0, scale), chunk
     assert float(g_whole.abs().max()) > 0
+
+
+def test_no_vocabulary_wide_tensor_is_kept_for_backward() -> None:
+    """Under autograd, what the chunked read-out keeps for backward is O(positions × hidden), not
+    O(positions × vocab): the saved tensors of the graph are counted with saved_tensors_hooks."""
+    g = torch.Generator().manual_seed(0)
+    B, L, H, V = 2, 64, 8, 5000
+    hidden = torch.randn(B, L, H, generator=g, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    src = (torch.arange(L) - 1).expand(B, L)
+    tgt = torch.randint(0, V, (B, L), generator=g)
+
+    def biggest_saved(chunk: int | None) -> int:
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if chunk is None:
+                lp, ent = logprobs_from_logits(head(hidden), src, tgt, with_entropy=True)
+            else:
+                lp, ent = logprobs_from_hidden(hidden, head, src, tgt, with_entropy=True, chunk_tokens=chunk)
+        assert ent is not None
+        (lp.sum() + ent.sum()).backward()
+        return max(sizes)
+
+    assert biggest_saved(None) >= B * L * V  # the full log-softmax is kept
+    assert biggest_saved(16) < 2 * V * H + B * L * H  # at most the head weight and the hidden states

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treegrpo.train.logprobs import logprobs_from_logits
+from treegrpo.train.logprobs import model_logprobs
 from treegrpo.tree import Forest
 
 
@@ -110,13 +110,14 @@ def token_logprobs(
     """``logprobs_B_T`` of each input token given the ones before it (0 at t = 0 and on pads);
     optionally the full-distribution entropy ``entropy_B_T`` at the same positions, both at the
     sampling ``temperature``. The read-out is
-    :func:`~treegrpo.train.logprobs.logprobs_from_logits` with source position ``t - 1``
+    :func:`~treegrpo.train.logprobs.model_logprobs` with source position ``t - 1``
     (``temperature``, ``chunk_tokens``: see there)."""
-    out = model(input_ids=batch.input_ids_B_T, attention_mask=batch.attention_mask_B_T, use_cache=False)
+    inputs = {"input_ids": batch.input_ids_B_T, "attention_mask": batch.attention_mask_B_T, "use_cache": False}
     T = batch.input_ids_B_T.shape[1]
     src_B_T = (torch.arange(T, device=batch.input_ids_B_T.device) - 1).expand_as(batch.input_ids_B_T)
-    lp, ent = logprobs_from_logits(
-        out.logits,
+    lp, ent = model_logprobs(
+        model,
+        inputs,
         src_B_T,
         batch.input_ids_B_T,
         temperature=temperature,

@@ -3,7 +3,9 @@
 Layout inside a run's ``out_dir``::
 
     checkpoint/        the latest generation: a from_pretrained folder (weights, tokenizer, extra
-                       files) + trainer_state.pt + checksums.json (size and sha256 of every file)
+                       files) + trainer_state.pt + checksums.json (size and sha256 of every file);
+                       a LoRA run saves the merged weights there (still a plain --model) and
+                       its adapter in lora_adapter/, which resume loads back exactly
     checkpoint.prev/   the generation before it
 
 A save writes everything to a temp folder ``.checkpoint.XXXX`` beside them (``checksums.json``
@@ -41,6 +43,7 @@ import torch
 from pydantic import ValidationError
 
 from treegrpo.io import atomic_write_json, fsync_path, sha256_file
+from treegrpo.models.lora import is_lora, load_adapter, save_model_folder
 from treegrpo.train.config import ConfigError, TrainConfig
 
 CHECKPOINT_DIR = "checkpoint"
@@ -211,7 +214,7 @@ def save_checkpoint(
     _remove_temp_folders(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        model.save_pretrained(tmp)
+        save_model_folder(model, tmp)  # a LoRA model: merged weights + its adapter in lora_adapter/
         tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
@@ -401,6 +404,10 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
     return merged, changed
 
 
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def restore(
     ck: Checkpoint,
     model: torch.nn.Module,
@@ -408,13 +415,17 @@ def restore(
     cfg: TrainConfig,
     changed: dict[str, tuple[Any, Any]],
 ) -> RunState:
-    """Load ``ck``'s weights and optimizer into ``model``/``optimizer`` and return its run state,
+    """Load ``ck``'s weights (a LoRA model: its adapter, from ``lora_adapter/``) and optimizer
+    into ``model``/``optimizer`` and return its run state,
     with the overridden fields of ``changed`` applied: the optimizer takes ``cfg``'s lr and weight
     decay, a changed seed restarts the RNG streams (everything else is read from ``cfg`` each step)."""
     from treegrpo.models.loader import load_model
 
     try:
-        model.load_state_dict(load_model(ck.folder).state_dict())
+        if is_lora(model):  # the base is the run's --model, frozen; the adapter is restored exactly
+            load_adapter(model, ck.folder)
+        else:
+            model.load_state_dict(load_model(ck.folder, dtype=_dtype(model)).state_dict())
         optimizer.load_state_dict(ck.optimizer)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -153,11 +153,43 @@ class TrainConfig(BaseModel):
     # -- optimisation ------------------------------------------------------------------------------
     steps: int = Field(200, ge=0, description="RL steps.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
-    lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
+    lr: float | Literal["auto"] = Field(
+        "auto",
+        description="AdamW learning rate (peak, after warm-up); auto = 5e-4 for a bootstrapped tiny agent, 1e-6 for full fine-tuning of a real model (Search-R1's train_grpo.sh, 3B), 1e-5 with LoRA (about 10x full fine-tuning; verl's LoRA GRPO example uses 3e-6 at rank 64, alpha 32). Resolved when the model is loaded and recorded in config.json.",
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear lr warm-up over the first N RL steps (step k of N uses lr·k/N)."
+    )
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant",
+        description="lr after warm-up: constant | cosine | linear decay to min_lr_ratio·lr at the last step (of --steps).",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="cosine/linear: the final lr as a fraction of lr."
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (PPO mini-batches).")
     micro_batch_tokens: int = Field(8192, ge=64, description="Token cap of one forward/backward micro-batch.")
+    logprob_chunk_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="Log-probs and entropies from the last hidden states this many positions at a time (the LM head and full-vocabulary log-softmax of one chunk at a time, recomputed per chunk in backward); 0 = off (the model's full logits at once). auto = 0 for a bootstrapped tiny agent (bit-identical to earlier runs), 1024 for other models.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Model weights and compute for training and rollout (one model object); log-probs, entropies and losses are computed in float32 from the logits either way. bfloat16 full fine-tuning updates bf16 weights in place (tiny steps round away): prefer LoRA (float32 adapters) or float32.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer layer in backward (transformers' gradient_checkpointing_enable, use_reentrant=False): less activation memory, ~30% more update time. Recommended for real models.",
+    )
+    lora_rank: int = Field(0, ge=0, description="LoRA rank (peft, the [lora] extra); 0 = full fine-tuning.")
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch input.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="Modules that get adapters (comma-separated names, e.g. q_proj,v_proj); all-linear = every linear layer but the LM head.",
+    )
     packing: Literal["auto", "on", "off"] = Field(
         "auto", description="Train packed (auto/on: each forest one row, every shared token once; auto falls back to per path for a model that rejects custom attention masks; off: one row per path)."
     )
@@ -228,7 +260,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{v!r}: MPS is not available on this machine; use device=cpu")
         return v
 
-    @field_validator("resume_override", mode="before")
+    @field_validator("resume_override", "lora_target_modules", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
@@ -243,11 +275,20 @@ class TrainConfig(BaseModel):
             raise ValueError("--data needs a retriever: --corpus PATH or --retriever-url URL")
         if self.task == "arith" and (self.data or self.corpus or self.retriever_url):
             raise ValueError("--task arith has its own problems: drop --data/--corpus/--retriever-url")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ValueError("lora_target_modules is empty: name the modules to adapt (e.g. all-linear)")
         if self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
             raise ValueError(
                 "a tree with N·L = 0 and M = 1 has one trajectory per prompt: no group to compare"
             )
         return self
+
+    @field_validator("logprob_chunk_tokens")
+    @classmethod
+    def _chunk_size(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be >= 1, 0 (off) or auto")
+        return v
 
     # -- derived -----------------------------------------------------------------------------------
     @property
@@ -260,6 +301,36 @@ class TrainConfig(BaseModel):
         if self.sampler == "eptree":
             return self.m * (1 + self.n * self.l * self.t)
         return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
+
+
+#: ``auto`` values per model kind (documented in the field descriptions and the README table).
+TINY_LR = 5e-4  # the bootstrapped tiny agent (0.57M parameters, trained from scratch by its bootstrap)
+FULL_FT_LR = 1e-6  # Search-R1 train_grpo.sh / train_ppo.sh: actor_rollout_ref.actor.optim.lr=1e-6 (Qwen2.5-3B)
+LORA_LR = 1e-5  # ~10x full fine-tuning ("LoRA Without Regret"); verl's LoRA GRPO example: 3e-6 at rank 64, alpha 32
+REAL_CHUNK_TOKENS = 1024  # one chunk's float32 logits: 1024 x 49152 (SmolLM2) x 4 B = 200 MB
+
+
+def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
+    """``cfg`` with its ``auto`` fields decided for the loaded model — a bootstrapped tiny agent
+    (``tiny``) or a real pretrained model — as a copy whose resolved fields count as set (so
+    ``config.json`` and a resume carry the values, not ``auto``):
+
+    ===========================  ==================  ==========================================
+    field                        tiny agent          real model
+    ===========================  ==================  ==========================================
+    ``lr``                       5e-4                1e-6 full fine-tuning, 1e-5 with LoRA
+    ``logprob_chunk_tokens``     0 (off)             1024
+    ===========================  ==================  ==========================================
+
+    Deterministic: the same config and model kind always give the same values."""
+    update: dict[str, Any] = {}
+    if cfg.lr == "auto":
+        update["lr"] = TINY_LR if tiny else (LORA_LR if cfg.lora_rank else FULL_FT_LR)
+    if cfg.logprob_chunk_tokens == "auto":
+        update["logprob_chunk_tokens"] = 0 if tiny else REAL_CHUNK_TOKENS
+    if not update:
+        return cfg
+    return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})
 
 
 def single_leaf_groups(cfg: TrainConfig) -> str | None:

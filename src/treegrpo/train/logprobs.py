@@ -14,18 +14,42 @@ sampling temperature first (as verl does), so the PPO ratio compares the distrib
 tokens were actually drawn from; temperature 0 (greedy) has no such distribution and is treated
 as 1 (:func:`effective_temperature`).
 
-The vocabulary-wide log-softmax is the large intermediate (``[B, L, V]`` floats). With
-``chunk_tokens`` it is computed over at most that many source positions at a time, so under
-``torch.no_grad`` (old and reference log-probs) the full ``[B·L, V]`` log-softmax never exists
-at once. The values are the same as unchunked (each position's log-softmax is computed alone
-either way); with autograd each chunk's log-softmax is still kept for backward, so bounding the
-training-pass memory as well needs a recomputing backward — a later change behind the same
-argument. ``None`` (default) computes all positions in one piece.
+Memory
+------
+The vocabulary-wide tensors are the large intermediates: the logits, their float32 copy, the
+log-softmax and, for the entropy, ``p · log p`` — each ``[B, L, V]`` floats (8192 tokens × 49152
+SmolLM2 ids × 4 bytes = 1.6 GB apiece), all kept for backward. Two ways to bound them:
+
+- :func:`logprobs_from_logits` with ``chunk_tokens``: the log-softmax over at most that many
+  source positions at a time, bit-identical to one piece. The model's full logits still exist,
+  and under autograd each chunk's log-softmax is kept for backward, so this bounds only the
+  no-grad passes (old and reference log-probs).
+- :func:`model_logprobs` with ``chunk_tokens`` (what the trainer uses, ``logprob_chunk_tokens``):
+  the model's decoder gives the last hidden states ``[B, L, H]``; the LM head, the float32
+  cast, the temperature, the log-softmax and the entropy run on the *source positions* (each
+  distinct one once) ``chunk_tokens`` at a time, each chunk under
+  ``torch.utils.checkpoint`` — so only its ``[chunk, H]`` input is kept and backward recomputes
+  the chunk's ``[chunk, V]`` tensors one chunk at a time. No ``[B·L, V]`` tensor ever exists,
+  with or without autograd. The values equal the unchunked ones up to float rounding (the LM
+  head's matmul over fewer rows, its weight gradient summed over chunks: ~1e-7 relative, tested
+  to 1e-6), not bit for bit — hence off (0) for the tiny agents, whose seeded runs stay
+  byte-identical. It is used only when the model exposes ``get_decoder()`` and
+  ``get_output_embeddings()`` and a one-time probe confirms ``head(decoder(x)) == model(x).logits``
+  (a model that scales or soft-caps its logits falls back to the full logits, with the no-grad
+  chunking above).
+
+Log-probs and entropies are float32 whatever the model's dtype: bfloat16 logits are cast before
+the temperature and the log-softmax, so ratios, KL and losses are computed in float32.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def effective_temperature(temperature: float) -> float:
@@ -118,4 +142,145 @@ def _chunked(
     inverse[order] = torch.arange(order.numel(), device=order.device)
     lp = torch.cat(lp_parts)[inverse].reshape(src_B_L.shape)
     ent = torch.cat(ent_parts)[inverse].reshape(src_B_L.shape) if with_entropy else None
+    return lp, ent
+
+
+# -- from hidden states, chunked under autograd ---------------------------------------------------
+
+# Per model: (decoder, head) when head(decoder(x)) reproduces model(x).logits, else None.
+_SPLIT_HEAD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(decoder, lm_head)`` of a causal LM whose logits are exactly ``lm_head(decoder(x)
+    .last_hidden_state)``, probed once per model on a few tokens (eval mode, no grad); ``None``
+    for a model without ``get_decoder``/``get_output_embeddings`` or whose logits differ (logit
+    scaling or soft-capping)."""
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    if decoder is None or head is None or decoder is model:
+        return None
+    if model not in _SPLIT_HEAD:
+        _SPLIT_HEAD[model] = _probe_split(model, decoder, head)
+    return (decoder, head) if _SPLIT_HEAD[model] else None
+
+
+@torch.no_grad()
+def _probe_split(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> bool:
+    was_training = model.training
+    model.eval()
+    try:
+        p = next(model.parameters())
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+        ids = (torch.arange(6, device=p.device) * 7 % max(vocab, 1))[None]
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        got = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    except Exception:  # any other interface: use the model's own logits
+        return False
+    finally:
+        model.train(was_training)
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+def model_logprobs(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    src_B_L: torch.Tensor,
+    targets_B_L: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``model(**inputs)`` and read each target token's log-prob (and entropy) at its source
+    position (:func:`logprobs_from_logits`'s convention).
+
+    ``chunk_tokens`` (> 0) and a model :func:`split_head` accepts: from the decoder's hidden
+    states, chunked and recomputed in backward (:func:`logprobs_from_hidden`, the module
+    docstring); otherwise from the model's full logits (``chunk_tokens`` then chunks only the
+    log-softmax). ``None``/0: the full logits, exactly as before."""
+    if chunk_tokens:
+        parts = split_head(model)
+        if parts is not None:
+            decoder, head = parts
+            hidden = decoder(**inputs).last_hidden_state
+            return logprobs_from_hidden(
+                hidden, head, src_B_L, targets_B_L,
+                temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+            )  # fmt: skip
+    out = model(**inputs)
+    return logprobs_from_logits(
+        out.logits,
+        src_B_L,
+        targets_B_L,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens or None,
+    )
+
+
+def logprobs_from_hidden(
+    hidden_B_L_H: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    src_B_L: torch.Tensor,
+    targets_B_L: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logprobs_from_logits` of ``head(hidden)`` without ever holding more than
+    ``chunk_tokens`` positions' logits: the distinct source positions are taken ``chunk_tokens`` at
+    a time, each chunk's head → float32 → ``/ T`` → log-softmax → read-out under
+    ``torch.utils.checkpoint`` when autograd records (backward recomputes it). Float32 results,
+    0 where ``src_B_L < 0``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    temp = effective_temperature(temperature)
+    B, L, H = hidden_B_L_H.shape
+    flat_src = (src_B_L.clamp(min=0) + torch.arange(B, device=src_B_L.device)[:, None] * L).flatten()
+    tokens = (src_B_L >= 0).flatten().nonzero().squeeze(1)  # tokens that have a source position
+    uniq, inv = torch.unique(flat_src[tokens], return_inverse=True)  # sorted distinct sources
+    order = torch.argsort(inv, stable=True)  # tokens grouped by source, in source order
+    sorted_inv = inv[order]
+    tgt = targets_B_L.flatten()[tokens][order]
+    hidden_U_H = hidden_B_L_H.reshape(B * L, H)[uniq]
+    bounds = [*range(0, uniq.numel(), chunk_tokens), uniq.numel()]
+    cuts = torch.searchsorted(sorted_inv, torch.tensor(bounds, device=sorted_inv.device)).tolist()
+    record = torch.is_grad_enabled() and hidden_B_L_H.requires_grad
+
+    def chunk(h_C_H: torch.Tensor, at_N: torch.Tensor, tgt_N: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = head(h_C_H).float()
+        if temp != 1.0:
+            logits = logits / temp
+        logp = torch.log_softmax(logits, dim=-1)  # [C, V]
+        lp = logp[at_N, tgt_N]
+        if not with_entropy:
+            return (lp,)
+        return lp, -(logp.exp() * logp).sum(-1)[at_N]
+
+    lp_parts: list[torch.Tensor] = []
+    ent_parts: list[torch.Tensor] = []
+    for k in range(len(bounds) - 1):
+        lo, hi = cuts[k], cuts[k + 1]
+        if lo == hi:
+            continue
+        q0, q1 = bounds[k], bounds[k + 1]
+        args = (hidden_U_H[q0:q1], sorted_inv[lo:hi] - q0, tgt[lo:hi])
+        res = checkpoint(chunk, *args, use_reentrant=False) if record else chunk(*args)
+        lp_parts.append(res[0])
+        if with_entropy:
+            ent_parts.append(res[1])
+    n = B * L
+    dev = hidden_B_L_H.device
+    where = tokens[order]
+
+    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
+        vals = torch.cat(parts) if parts else torch.zeros(0, device=dev)
+        return torch.zeros(n, device=dev, dtype=torch.float32).index_put((where,), vals).reshape(B, L)
+
+    lp = scatter(lp_parts)
+    ent = scatter(ent_parts) if with_entropy else None
     return lp, ent

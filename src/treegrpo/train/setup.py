@@ -57,7 +57,7 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     family = task_family(cfg)
     if model_dir is None:
         model_dir = family.starting_model(cfg) if cfg.model is None else Path(cfg.model)
-    loaded = load_pretrained(model_dir, device=cfg.device)
+    loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
     src = family.source(cfg, loaded)
     max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
     agent_cfg = src.agent or agent_config(cfg, loaded.info.get("agent"), max_positions)

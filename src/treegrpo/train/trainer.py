@@ -21,6 +21,8 @@ from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, 
 from treegrpo.algos.losses import LossConfig
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
+from treegrpo.models.loader import MARKER_FILE
+from treegrpo.models.lora import AdapterDisabled, apply_lora, is_lora, sampling_module
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
@@ -34,13 +36,14 @@ from treegrpo.train.checkpoint import (
     resume_config,
     save_run,
 )
-from treegrpo.train.config import TrainConfig, warn_single_leaf_groups
+from treegrpo.train.config import TrainConfig, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
 from treegrpo.train.monitors import check_step
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
+from treegrpo.train.schedule import lr_at, set_lr
 from treegrpo.train.setup import RunParts, build_run
-from treegrpo.train.update import update
+from treegrpo.train.update import Reference, update
 from treegrpo.tree import write_forests
 
 
@@ -123,10 +126,11 @@ def train(
         torch.set_num_threads(cfg.threads)
 
     # -- the pieces ------------------------------------------------------------------------------
-    parts = parts or build_run(cfg)
-    model, tok = parts.model, parts.tokenizer
-    ref_model = _frozen_copy(model) if cfg.kl_coef > 0 else None  # reference = the starting policy
-    engine = make_engine(cfg.engine, model, tok, device=cfg.device)
+    parts = parts or build_run(cfg)  # the model in cfg.dtype
+    cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file())  # lr, chunking: auto
+    model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
+    ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
+    engine = make_engine(cfg.engine, sampling_module(model), tok, device=cfg.device)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
@@ -144,7 +148,8 @@ def train(
         entropy_coef=cfg.entropy_coef,
         agg_mode=cfg.agg_mode,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # all, or the LoRA adapter's
+    optimizer = torch.optim.AdamW(trainable, lr=float(cfg.lr), weight_decay=cfg.weight_decay)
     if resume_from is None:
         run = RunState.fresh(cfg.seed, eval_start)  # prompt order, tree picks and sampling streams
     else:
@@ -185,13 +190,15 @@ def train(
             # 1. rollout: one batch of prompts, grown into forests by the sampler
             tasks = run.rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
             t0 = time.perf_counter()
-            engine.load_weights(model)
+            engine.load_weights(sampling_module(model))
             result: RolloutResult = sampler(runner, tasks, sampler_cfg, run.pick_rng, run.gen)
             t1 = time.perf_counter()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = _advantages(result, estimator, adv_cfg, parts.env)
             n_traj = sum(f.n_trajectories() for f in result.forests)
             # 3. policy update: packed (each shared token once) or per path, see train/update.py
+            lr = lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+            set_lr(optimizer, lr)  # warm-up and schedule: one value per RL step
             metrics = update(
                 model,
                 ref_model,
@@ -213,6 +220,8 @@ def train(
             metrics.update(rollout_metrics(result, n_traj))
             metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
             metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
+            if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
+                metrics["actor/lr"] = lr
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 run.last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
                 metrics.update(run.last_eval)
@@ -263,7 +272,34 @@ def _advantages(result: RolloutResult, estimator: str, adv_cfg: AdvantageConfig,
         raise ConfigError(f"{e} (reward function: {reward_fn})") from None
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+def policy_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """The module trained: ``model`` (loaded in ``cfg.dtype``) with gradient checkpointing
+    (transformers' ``gradient_checkpointing_enable``, non-reentrant; ``activation_checkpointing_enable``
+    as transformers >= 5.x names it) when asked, wrapped with a LoRA adapter (peft) when
+    ``cfg.lora_rank > 0``."""
+    if cfg.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            raise ConfigError(
+                f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable (not a transformers model)"
+            )
+    if cfg.lora_rank and not is_lora(model):
+        model = apply_lora(
+            model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, seed=cfg.seed
+        )
+    return model
+
+
+def reference_policy(model: torch.nn.Module, cfg: TrainConfig) -> Reference | None:
+    """The KL reference (the starting policy), ``None`` without a KL term: for LoRA the same
+    model with its adapter disabled (no copy), otherwise a frozen copy."""
+    if cfg.kl_coef <= 0:
+        return None
+    if is_lora(model):
+        return AdapterDisabled(model)
     ref = copy.deepcopy(model)
     ref.eval()
     for p in ref.parameters():

@@ -22,6 +22,11 @@ PPO ratio compares the distributions the tokens were drawn from. ``rollout/logpr
 returned metrics is the mean |engine log-prob − trainer log-prob| over policy path-tokens, the
 trainer's taken before any optimizer step (a check that rollout and training agree).
 
+Log-probs and entropies are read from the model with ``cfg.logprob_chunk_tokens``
+(:func:`~treegrpo.train.logprobs.model_logprobs`: the full-vocabulary log-softmax a chunk of
+positions at a time, also under autograd). The reference policy is a frozen model or, with LoRA,
+the policy itself with its adapter disabled (:func:`with_reference`).
+
 Both implementations split the batch's paths into ``cfg.mini_batches`` contiguous chunks in
 ``forest_sequences`` order (whole forests stay together, so packing keeps its sharing) and take one
 optimizer step per chunk; for a given configuration they compute the same update.
@@ -32,10 +37,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from treegrpo.algos.losses import LossConfig, LossNormalizers, compute_loss
+from treegrpo.models.lora import AdapterDisabled
 from treegrpo.train.batching import (
     TrainSequence,
     collate,
@@ -52,13 +59,34 @@ from treegrpo.tree import Forest
 
 _log = logging.getLogger("treegrpo.train")
 
+Reference = torch.nn.Module | AdapterDisabled
+"""The KL reference policy: a frozen model, or (LoRA) the policy with its adapter disabled."""
+
+_T = TypeVar("_T")
+
+
+def with_reference(ref: Reference, fn: Callable[[torch.nn.Module], _T]) -> _T:
+    """``fn(module)`` for the reference policy: a LoRA reference runs inside
+    ``model.disable_adapter()``, a frozen model as it is."""
+    if isinstance(ref, AdapterDisabled):
+        with ref.active() as module:
+            return fn(module)
+    return fn(ref)
+
+
+def chunk_tokens(cfg: TrainConfig) -> int | None:
+    """``cfg.logprob_chunk_tokens`` as the read-out takes it: None when off (0, or ``auto`` not
+    resolved by the trainer: direct callers get the full logits)."""
+    v = cfg.logprob_chunk_tokens
+    return v if isinstance(v, int) and v > 0 else None
+
 # Per model: None = packing verified, str = why the model cannot train packed.
 _PACKING_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 def update(
     model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
+    ref_model: Reference | None,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
@@ -71,11 +99,13 @@ def update(
 
     Args:
         model: the policy (trained in place).
-        ref_model: the frozen reference policy, or ``None`` for no KL term.
+        ref_model: the frozen reference policy, an :class:`~treegrpo.models.lora.AdapterDisabled`
+            view of a LoRA policy, or ``None`` for no KL term.
         optimizer: steps once per mini-batch.
         forests: the batch's forests.
         advantages: per forest, per path, per token (``token_advantages`` output).
-        cfg: ``mini_batches``, ``micro_batch_tokens``, ``grad_clip``, ``packing``, ``sampler``, ``device``.
+        cfg: ``mini_batches``, ``micro_batch_tokens``, ``grad_clip``, ``packing``, ``sampler``, ``device``,
+            ``temperature``, ``logprob_chunk_tokens``.
         loss_cfg: the loss options.
         pad_id: padding token id.
         log: where the one-line packing fallback notice goes (default: the ``treegrpo.train`` logger).
@@ -197,7 +227,7 @@ def split_minibatches(n_items: int, n_minis: int) -> list[list[int]]:
 
 def update_packed(
     model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
+    ref_model: Reference | None,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
@@ -237,9 +267,13 @@ def update_packed(
             )
         )
     # Old log-probs: with one optimizer step per batch the policy has not moved (ratio 1).
-    temp = effective_temperature(cfg.temperature)
-    old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device, temp)
-    ref = _plan_logprobs(ref_model, plans, cfg.device, temp) if ref_model is not None else None
+    temp, chunk = effective_temperature(cfg.temperature), chunk_tokens(cfg)
+    old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device, temp, chunk)
+    ref = (
+        with_reference(ref_model, lambda m: _plan_logprobs(m, plans, cfg.device, temp, chunk))
+        if ref_model is not None
+        else None
+    )
     n = len(plans)
     sums: dict[str, float] = {}
     tokens_paths = tokens_packed = 0
@@ -254,7 +288,7 @@ def update_packed(
         ratio_max = 0.0
         for j, mb in enumerate(plan):
             mb = mb.to(cfg.device)
-            lp, ent = packed_logprobs(model, mb, with_entropy=True, temperature=temp)
+            lp, ent = packed_logprobs(model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk)
             with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
                 before = old[k][j] if old is not None else lp
                 diff_sum += float(((mb.sample_logprobs_B_L - before).abs() * mb.count_B_L).sum())
@@ -294,6 +328,7 @@ def _plan_logprobs(
     plans: Sequence[Sequence[PackedBatch]],
     device: str | torch.device,
     temperature: float,
+    chunk: int | None = None,
 ) -> list[list[torch.Tensor]]:
     """``logprobs_B_L`` of every packed micro-batch of every mini-batch at ``temperature``, in
     eval mode."""
@@ -301,7 +336,7 @@ def _plan_logprobs(
     model.eval()
     try:
         return [
-            [packed_logprobs(model, mb.to(device), temperature=temperature)[0] for mb in plan]
+            [packed_logprobs(model, mb.to(device), temperature=temperature, chunk_tokens=chunk)[0] for mb in plan]
             for plan in plans
         ]
     finally:
@@ -310,7 +345,7 @@ def _plan_logprobs(
 
 def update_paths(
     model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
+    ref_model: Reference | None,
     optimizer: torch.optim.Optimizer,
     seqs: Sequence[TrainSequence],
     cfg: TrainConfig,
@@ -326,8 +361,12 @@ def update_paths(
     # Old log-probs: with one optimizer step per batch the policy has not moved, so the ratio is 1
     # and old = current (detached); otherwise they are recomputed before any step.
     old = None if cfg.mini_batches == 1 else _precompute_logprobs(model, seqs, cfg, pad_id)
-    ref = _precompute_logprobs(ref_model, seqs, cfg, pad_id) if ref_model is not None else None
-    temp = effective_temperature(cfg.temperature)
+    ref = (
+        with_reference(ref_model, lambda m: _precompute_logprobs(m, seqs, cfg, pad_id))
+        if ref_model is not None
+        else None
+    )
+    temp, chunk = effective_temperature(cfg.temperature), chunk_tokens(cfg)
     sums: dict[str, float] = {}
     diff_sum = diff_count = 0.0
 
@@ -343,7 +382,7 @@ def update_paths(
         for local in micro_batches([len(s.tokens) for s in mini_seqs], cfg.micro_batch_tokens):
             ids = [mini[j] for j in local]
             mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-            lp, ent = token_logprobs(model, mb, with_entropy=True, temperature=temp)
+            lp, ent = token_logprobs(model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk)
             old_lp = _gather(old, ids, lp)
             with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
                 before = old_lp if old_lp is not None else lp
@@ -413,7 +452,9 @@ def _precompute_logprobs(
     out: dict[int, torch.Tensor] = {}
     for ids in micro_batches([len(s.tokens) for s in seqs], cfg.micro_batch_tokens):
         mb = collate([seqs[i] for i in ids], pad_id).to(cfg.device)
-        lp, _ = token_logprobs(model, mb, temperature=effective_temperature(cfg.temperature))
+        lp, _ = token_logprobs(
+            model, mb, temperature=effective_temperature(cfg.temperature), chunk_tokens=chunk_tokens(cfg)
+        )
         for row, i in enumerate(ids):
             out[i] = lp[row, : len(seqs[i].tokens)]
     model.train(was_training)

@@ -5,7 +5,7 @@ a forest's row is split.
 The model gets the batch's 4D additive mask (cast to the model's dtype) and per-path
 ``position_ids``, so packed token ``u`` sees exactly the causal context of every path token it
 stands for; its log-prob is read from the logits at ``prev_B_L[u]`` (the previous token on its
-path, not ``u - 1``) by the shared :func:`treegrpo.train.logprobs.logprobs_from_logits`.
+path, not ``u - 1``) by the shared :func:`treegrpo.train.logprobs.model_logprobs`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from treegrpo.train.logprobs import logprobs_from_logits
+from treegrpo.train.logprobs import model_logprobs
 from treegrpo.train.packing.layout import PackedBatch, pack_forests
 from treegrpo.tree import Forest
 
@@ -64,20 +64,21 @@ def packed_logprobs(
         batch: a packed micro-batch (on the model's device).
         with_entropy: also return the full-distribution entropy of the prediction of each token.
         temperature: the sampling temperature the log-probs are computed at (0 → 1).
-        chunk_tokens: see :func:`~treegrpo.train.logprobs.logprobs_from_logits`.
+        chunk_tokens: see :func:`~treegrpo.train.logprobs.model_logprobs`.
 
     Returns:
         ``(logprobs_B_L, entropy_B_L | None)``: 0 on the first token of each path and on pads, as
         ``batching.token_logprobs`` is 0 at t = 0. ``batch.unpack`` maps them to per-path rows.
     """
-    out = model(
-        input_ids=batch.input_ids_B_L,
-        attention_mask=batch.attention_mask(model_dtype(model)),
-        position_ids=batch.position_ids_B_L,
-        use_cache=False,
-    )
-    return logprobs_from_logits(
-        out.logits,
+    inputs = {
+        "input_ids": batch.input_ids_B_L,
+        "attention_mask": batch.attention_mask(model_dtype(model)),
+        "position_ids": batch.position_ids_B_L,
+        "use_cache": False,
+    }
+    return model_logprobs(
+        model,
+        inputs,
         batch.prev_B_L,
         batch.input_ids_B_L,
         temperature=temperature,
