@@ -248,3 +248,28 @@ def test_world_seed_variant_has_its_own_cached_model(monkeypatch: pytest.MonkeyP
     assert "world_seed" not in own.to_dict()
     with pytest.raises(ValueError, match="unknown world preset"):
         BootstrapConfig.for_preset("nope")
+
+
+def test_micro_batched_warmup_step_equals_the_whole_batch(tiny_model_dir: Path) -> None:
+    """Accumulating over micro-batches of demos gives the whole batch's weighted-mean gradient,
+    and the warm-up with micro-batches runs (the real-model recipe)."""
+    from treegrpo.train import warmup as w
+
+    rng = random.Random(0)
+    encoded = [
+        w.EncodedDemo([rng.randrange(5, 300) for _ in range(n)], [0] * 4 + [1] * (n - 4)) for n in (12, 20, 9, 15, 30, 11)
+    ]
+    grads = {}
+    for micro in (0, 1, 4):
+        model = load_model(tiny_model_dir)
+        if micro == 0:
+            w.policy_token_loss(model, w._collate(encoded, 1, 3.0)).backward()
+        else:
+            w._accumulated_step(model, [w._collate(encoded[i : i + micro], 1, 3.0) for i in range(0, 6, micro)])
+        grads[micro] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert float(grads[0].abs().max()) > 1e-3
+    for micro in (1, 4):
+        assert torch.allclose(grads[micro], grads[0], atol=1e-6, rtol=1e-5), micro
+    cfg = w.WarmupConfig(epochs=1, batch_size=6, pack_len=64, lr=1e-3, micro_batch_size=2)
+    stats = w.supervised_warmup(load_model(tiny_model_dir), encoded, cfg, 1, random.Random(1))
+    assert stats["steps"] == 1 and math.isfinite(stats["final_loss"])

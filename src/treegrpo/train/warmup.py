@@ -39,6 +39,10 @@ class WarmupConfig:
             the last ``lr_decay_frac`` of the steps after warm-up (1.0 = plain cosine).
         decision_weight: loss weight of the first token of each step after an observation (the
             search-on-or-answer decision); 1.0 = every policy token alike.
+        micro_batch_size: demonstrations per forward/backward, gradients accumulated over the
+            batch (the same weighted mean, so the same step up to float rounding); 0 = the whole
+            batch in one pass (the tiny agents' recipes). Real models need it: a batch of 8
+            SmolLM2-135M demos of ~450 tokens in one pass peaked above 14 GB.
     """
 
     epochs: float = 6
@@ -50,6 +54,7 @@ class WarmupConfig:
     lr_decay_frac: float = 0.25
     decision_weight: float = 1.0
     grad_clip: float = 1.0
+    micro_batch_size: int = 0
 
 
 @dataclass
@@ -187,6 +192,20 @@ def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 
     Logits are computed at the policy positions only (most positions are prompt and observation
     tokens, so this skips most of the output layer's work)."""
+    ce, w = _policy_ce(model, batch)
+    if w is None:
+        return ce.mean()
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def _policy_weight(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The total loss weight of a batch's policy tokens (their count without ``weights``)."""
+    sel = batch["labels"][:, 1:] != -100
+    return batch["weights"][:, 1:][sel].sum() if "weights" in batch else sel.sum().to(torch.float32)
+
+
+def _policy_ce(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-policy-token cross-entropy and weights (``None`` without ``weights``)."""
     labels = batch["labels"][:, 1:]
     sel = labels != -100
     base = getattr(model, "model", None)
@@ -197,10 +216,19 @@ def policy_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     else:  # any other causal LM: full logits
         logits = model(**kwargs).logits[:, :-1][sel]
     ce = torch.nn.functional.cross_entropy(logits.float(), labels[sel], reduction="none")
-    if "weights" not in batch:
-        return ce.mean()
-    w = batch["weights"][:, 1:][sel]
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+    return ce, (batch["weights"][:, 1:][sel] if "weights" in batch else None)
+
+
+def _accumulated_step(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """Backward of the batch's weighted-mean loss, one micro-batch at a time; returns the loss."""
+    total = torch.stack([_policy_weight(b) for b in batches]).sum().clamp(min=1e-8)
+    value = 0.0
+    for b in batches:
+        ce, w = _policy_ce(model, b)
+        part = (ce if w is None else ce * w).sum() / total
+        part.backward()
+        value += float(part.detach())
+    return value
 
 
 def supervised_warmup(
@@ -246,12 +274,16 @@ def supervised_warmup(
     for step, idx in enumerate(plan):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        loss = policy_token_loss(model, batch_of(idx))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if cfg.micro_batch_size > 0:  # gradients accumulated over micro-batches of demos
+            m = cfg.micro_batch_size
+            val = _accumulated_step(model, [batch_of(idx[i : i + m]) for i in range(0, len(idx), m)])
+        else:
+            loss = policy_token_loss(model, batch_of(idx))
+            loss.backward()
+            val = float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        val = float(loss.detach())
         ema = val if ema is None else 0.95 * ema + 0.05 * val
         if step >= total - per_epoch:
             last_epoch.append(val)

@@ -35,8 +35,9 @@ from treegrpo.train.setup import build_run
 from treegrpo.train.warmup import WarmupConfig, encode_demo, supervised_warmup
 
 RECORD_FILE = "treegrpo_warmup.json"
-#: The real-model warm-up recipe: one epoch at lr 1e-5 (full fine-tuning), batches of 8 packed.
-REAL_MODEL_SFT = WarmupConfig(epochs=1, batch_size=8, pack_len=1024, lr=1e-5, warmup_frac=0.1)
+#: The real-model warm-up recipe: one epoch at lr 1e-5 (full fine-tuning), batches of 8, one demo
+#: per forward/backward (a whole batch of SmolLM2-135M demos in one pass ran out of memory).
+REAL_MODEL_SFT = WarmupConfig(epochs=1, batch_size=8, pack_len=1024, lr=1e-5, warmup_frac=0.1, micro_batch_size=1)
 
 
 @dataclass(frozen=True)
