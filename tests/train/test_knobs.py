@@ -38,9 +38,14 @@ def test_auto_defaults_per_model_kind() -> None:
     tiny = resolve_model_defaults(make_config({}), tiny=True)
     full = resolve_model_defaults(make_config({}), tiny=False)
     lora = resolve_model_defaults(make_config({"lora_rank": 8}), tiny=False)
-    assert (tiny.lr, tiny.logprob_chunk_tokens) == (TINY_LR, 0) == (5e-4, 0)
-    assert (full.lr, full.logprob_chunk_tokens) == (FULL_FT_LR, 1024) == (1e-6, 1024)
+    assert (
+        (tiny.lr, tiny.logprob_chunk_tokens, tiny.gradient_checkpointing)
+        == (TINY_LR, 0, False)
+        == (5e-4, 0, False)
+    )
+    assert (full.lr, full.logprob_chunk_tokens, full.gradient_checkpointing) == (FULL_FT_LR, 1024, True)
     assert (lora.lr, lora.logprob_chunk_tokens) == (LORA_LR, 1024) == (1e-5, 1024)
+    assert FULL_FT_LR == 1e-6
     assert {"lr", "logprob_chunk_tokens"} <= tiny.model_fields_set  # recorded as set: a resume keeps them
     given = resolve_model_defaults(make_config({"lr": 3e-4, "logprob_chunk_tokens": 0}), tiny=False)
     assert (given.lr, given.logprob_chunk_tokens) == (3e-4, 0)  # explicit values stay
@@ -142,6 +147,7 @@ def test_bf16_and_lora_rl_steps_run_on_smollm2(
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["lr"] == (LORA_LR if lora_rank else FULL_FT_LR)  # a real model: not the tiny lr
     assert recorded["logprob_chunk_tokens"] == 1024 and recorded["dtype"] == dtype
+    assert recorded["gradient_checkpointing"] is True
     assert next(parts.model.parameters()).dtype == getattr(torch, dtype)
     load_model(out / "checkpoint")  # a loadable --model
 

@@ -179,9 +179,9 @@ class TrainConfig(BaseModel):
         "float32",
         description="Model weights and compute for training and rollout (one model object); log-probs, entropies and losses are computed in float32 from the logits either way. bfloat16 full fine-tuning updates bf16 weights in place (tiny steps round away): prefer LoRA (float32 adapters) or float32.",
     )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute each transformer layer in backward (transformers' gradient_checkpointing_enable, use_reentrant=False): less activation memory, ~30% more update time. Recommended for real models.",
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="Recompute each transformer layer in backward (transformers' gradient_checkpointing_enable, use_reentrant=False): less activation memory, more update time. auto = off for a bootstrapped tiny agent, on for other models (as verl's and Search-R1's configs run real models; one full-SmolLM2 per-path step peaked at 14.9 GB without it).",
     )
     lora_rank: int = Field(0, ge=0, description="LoRA rank (peft, the [lora] extra); 0 = full fine-tuning.")
     lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (the update is scaled by alpha / rank).")
@@ -320,6 +320,7 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
     ===========================  ==================  ==========================================
     ``lr``                       5e-4                1e-6 full fine-tuning, 1e-5 with LoRA
     ``logprob_chunk_tokens``     0 (off)             1024
+    ``gradient_checkpointing``   off                 on
     ===========================  ==================  ==========================================
 
     Deterministic: the same config and model kind always give the same values."""
@@ -328,6 +329,8 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
         update["lr"] = TINY_LR if tiny else (LORA_LR if cfg.lora_rank else FULL_FT_LR)
     if cfg.logprob_chunk_tokens == "auto":
         update["logprob_chunk_tokens"] = 0 if tiny else REAL_CHUNK_TOKENS
+    if cfg.gradient_checkpointing == "auto":
+        update["gradient_checkpointing"] = not tiny
     if not update:
         return cfg
     return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})

@@ -276,8 +276,8 @@ def policy_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """The module trained: ``model`` (loaded in ``cfg.dtype``) with gradient checkpointing
     (transformers' ``gradient_checkpointing_enable``, non-reentrant; ``activation_checkpointing_enable``
     as transformers >= 5.x names it) when asked, wrapped with a LoRA adapter (peft) when
-    ``cfg.lora_rank > 0``."""
-    if cfg.gradient_checkpointing:
+    ``cfg.lora_rank > 0``. (``auto`` fields unresolved by :func:`resolve_model_defaults` count as off.)"""
+    if cfg.gradient_checkpointing is True:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif hasattr(model, "gradient_checkpointing_enable"):
