@@ -50,3 +50,18 @@ class ScriptedEngine:
 
     def load_weights(self, model: torch.nn.Module) -> None:
         pass
+
+
+class EOSEngine(ScriptedEngine):
+    """The scripted engine, also stopping at EOS like a real one (EOS is the last token returned)."""
+
+    def generate(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> list[Generation]:
+        out = super().generate(contexts, params, generator)
+        eos = self.tok.eos_token_id
+        for g in out:
+            if eos in g.tokens:
+                k = g.tokens.index(eos) + 1
+                g.tokens, g.logprobs, g.finish_reason = g.tokens[:k], g.logprobs[:k], "eos"
+        return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import ScriptedEngine
+from fakes import EOSEngine, ScriptedEngine
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import INVALID_ACTION, SearchEnv, parse_action
 from treegrpo.models.loader import load_tokenizer
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner
-from treegrpo.rollout.engine import Generation, SamplingParams
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.tree import parse_forest, validate_tree
 
@@ -85,21 +83,6 @@ def test_env_step_always_gives_a_defined_outcome(steps: list[str], allowed: list
         assert out.tool_calls == int(out.kind == "search" and not out.done)
         if out.kind != "invalid":
             assert parse_action(text)[0] == out.kind
-
-
-class EOSEngine(ScriptedEngine):
-    """The scripted engine, also stopping at EOS like a real one (EOS is the last token returned)."""
-
-    def generate(
-        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None
-    ) -> list[Generation]:
-        out = super().generate(contexts, params, generator)
-        eos = self.tok.eos_token_id
-        for g in out:
-            if eos in g.tokens:
-                k = g.tokens.index(eos) + 1
-                g.tokens, g.logprobs, g.finish_reason = g.tokens[:k], g.logprobs[:k], "eos"
-        return out
 
 
 @pytest.fixture(scope="module")

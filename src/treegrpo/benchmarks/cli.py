@@ -188,3 +188,49 @@ def bench_stateful_cmd(
         out, quick=quick, seeds=seeds, steps=steps, prompts_per_step=prompts_per_step, lr=lr,
         eval_prompts=eval_prompts, skip_learn=skip_learn, log=lambda m: typer.echo(m, err=True),
     )
+
+
+@bench.command("real")
+def bench_real_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/real.json"), help="Results JSON (plot next to it, .png)."),
+    work: Path = typer.Option(Path("runs/bench-real"), help="Work folder: warm-up model, RL runs, step runs (a finished stage is reused)."),
+    model: str = typer.Option("smollm2-135m", help="Starting model (a --model reference)."),
+    demos: int = typer.Option(96, help="Warm-up demonstrations."),
+    sft_lr: float = typer.Option(1e-4, help="Warm-up AdamW learning rate."),
+    sft_batch: int = typer.Option(4, help="Warm-up demonstrations per optimizer step."),
+    eval_prompts: int = typer.Option(16, help="Held-out questions per evaluation (greedy)."),
+    rl_steps: int = typer.Option(4, help="Steps of each paired RL run (tree (2,2,1) and chain 4)."),
+    prompts_per_step: int = typer.Option(2, help="Prompts per RL step."),
+    seed: int = typer.Option(0, help="Seed of both RL runs (prompt order, sampling)."),
+    cost_prompts: int = typer.Option(4, help="Prompts of the engine vs model.generate comparison."),
+    modes: str = typer.Option("paths,packed,lora", help="One-step runs measured in their own processes."),
+    sets: list[str] = typer.Option([], "--set", help="Any TrainConfig field for every stage: --set key=value."),
+) -> None:
+    """A real pretrained model end to end (SmolLM2-135M-Instruct on wiki-vital-qa): warm-up
+    well-formed rate and EM before/after, paired tree (2,2,1) vs chain 4 RL, engine vs
+    model.generate tokens per CPU-second, update seconds and peak RSS per path / packed / LoRA."""
+    from treegrpo.benchmarks.real import RealSpec, run_bench
+    from treegrpo.benchmarks.real_costs import MODES
+    from treegrpo.errors import ConfigError
+
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if bad := [m for m in mode_list if m not in MODES]:
+        typer.echo(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}", err=True)
+        raise typer.Exit(2)
+    if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts) < 1 or not sft_lr > 0:
+        typer.echo("error: counts must be >= 1 and --sft-lr > 0", err=True)
+        raise typer.Exit(2)
+    overrides = dict(kv.split("=", 1) for kv in sets if "=" in kv)
+    if len(overrides) != len(sets):
+        typer.echo("error: --set takes key=value", err=True)
+        raise typer.Exit(2)
+    spec = RealSpec(
+        model=model, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch, eval_prompts=eval_prompts,
+        rl_steps=rl_steps, prompts_per_step=prompts_per_step, seed=seed, cost_prompts=cost_prompts,
+        cost_modes=mode_list, overrides=overrides,
+    )  # fmt: skip
+    try:
+        run_bench(spec, work, out, log=lambda m: typer.echo(m, err=True))
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None

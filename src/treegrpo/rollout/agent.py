@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task
+from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
 from treegrpo.tree import Forest, Node, Tree
@@ -43,6 +44,8 @@ class AgentConfig:
         temperature: sampling temperature (0 = greedy).
         top_p: nucleus sampling threshold.
         use_chat_template: apply the tokenizer's chat template to the prompt when it has one.
+        obs_format: ``inline`` (the observation follows the step in the same assistant turn,
+            Search-R1's way) or ``chat`` (a new turn through the chat template; :mod:`.chat`).
     """
 
     max_turns: int = 4
@@ -52,6 +55,7 @@ class AgentConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     use_chat_template: bool = True
+    obs_format: ObsFormat = "inline"
 
 
 @dataclass
@@ -143,6 +147,7 @@ class StepRunner:
             stop_token_ids=tuple(stop_ids),
             stop_strings=tuple(stop_strings),
         )
+        self.obs_turn = observation_turn(self.tokenizer) if self.cfg.obs_format == "chat" else ("", "")
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
@@ -171,7 +176,19 @@ class StepRunner:
     def observation_ids(self, observation: str) -> tuple[str, list[int]]:
         """The observation as kept (text, ids), tokenized once: at most ``max_obs_tokens`` ids. An
         env with ``fit_observation`` (the search env) shortens a long one keeping its structure
-        (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut."""
+        (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut.
+        In ``chat`` format the kept text is then wrapped in its own turn (the wrapper's ids come on
+        top of ``max_obs_tokens``)."""
+        before, after = self.obs_turn
+        chat = bool(before or after)
+        text, ids = self._fit_observation(observation.strip() if chat else observation)
+        if chat:  # its own message: without the inline format's surrounding blank lines
+            enc = self.tokenizer.encode
+            ids = enc(before, add_special_tokens=False) + ids + enc(after, add_special_tokens=False)
+            text = before + text + after
+        return text, list(ids)
+
+    def _fit_observation(self, observation: str) -> tuple[str, list[int]]:
         ids = list(self.tokenizer.encode(observation, add_special_tokens=False))
         cap = self.cfg.max_obs_tokens
         if len(ids) <= cap:

@@ -113,6 +113,10 @@ class TrainConfig(BaseModel):
         ge=16,
         description="Longest context a trajectory may reach (capped by the model's positions; a tiny agent: its recorded limit unless set).",
     )
+    obs_format: Literal["inline", "chat"] = Field(
+        "inline",
+        description="How observations enter a chat model's context: inline (in the assistant turn, Search-R1's way) | chat (a new user turn through the chat template). A warm-up folder's setting is used unless this is set.",
+    )
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
     engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")

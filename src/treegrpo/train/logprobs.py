@@ -38,8 +38,9 @@ SmolLM2 ids × 4 bytes = 1.6 GB apiece), all kept for backward. Two ways to boun
   (a model that scales or soft-caps its logits falls back to the full logits, with the no-grad
   chunking above).
 
-Log-probs and entropies are float32 whatever the model's dtype: bfloat16 logits are cast before
-the temperature and the log-softmax, so ratios, KL and losses are computed in float32.
+Log-probs and entropies are float32 whatever the model's dtype (float64 for a float64 model, as in
+exactness tests): bfloat16 logits are cast before the temperature and the log-softmax, so ratios,
+KL and losses are computed in float32 at least.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or kept in float64 (never rounded down to float32)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 def effective_temperature(temperature: float) -> float:
     """The temperature log-probs are computed at: the sampling temperature, except that 0 (greedy
@@ -87,7 +93,7 @@ def logprobs_from_logits(
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     temp = effective_temperature(temperature)
-    logits = logits_B_L_V.float()
+    logits = at_least_fp32(logits_B_L_V)
     if temp != 1.0:
         logits = logits / temp
     has_src = src_B_L >= 0
@@ -252,7 +258,7 @@ def logprobs_from_hidden(
     record = torch.is_grad_enabled() and hidden_B_L_H.requires_grad
 
     def chunk(h_C_H: torch.Tensor, at_N: torch.Tensor, tgt_N: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits = head(h_C_H).float()
+        logits = at_least_fp32(head(h_C_H))
         if temp != 1.0:
             logits = logits / temp
         logp = torch.log_softmax(logits, dim=-1)  # [C, V]

@@ -7,6 +7,7 @@ comes from when no ``--model`` is given and builds the env and questions; the mo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from treegrpo.models.loader import MARKER_FILE, load_pretrained
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.tasks.registry import task_family
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.warmup import WARMUP_RECORD
 
 
 @dataclass
@@ -48,7 +50,9 @@ def agent_config(cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_p
     }
     if max_positions is not None:
         limits["max_context_tokens"] = min(limits["max_context_tokens"], int(max_positions))
-    return AgentConfig(**limits, temperature=cfg.temperature, top_p=cfg.top_p)
+    taught = "obs_format" in recorded and "obs_format" not in cfg.model_fields_set
+    obs_format = recorded["obs_format"] if taught else cfg.obs_format
+    return AgentConfig(**limits, temperature=cfg.temperature, top_p=cfg.top_p, obs_format=obs_format)
 
 
 def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
@@ -60,7 +64,7 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
     src = family.source(cfg, loaded)
     max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
-    agent_cfg = src.agent or agent_config(cfg, loaded.info.get("agent"), max_positions)
+    agent_cfg = src.agent or agent_config(cfg, loaded.info.get("agent") or _warmup_agent(loaded.folder), max_positions)
     extra = {MARKER_FILE: (loaded.folder / MARKER_FILE).read_text()} if loaded.is_tiny else {}
     return RunParts(
         model_dir=loaded.folder,
@@ -73,3 +77,15 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
         extra_files=extra,
         info=loaded.info,
     )
+
+
+def _warmup_agent(folder: Path) -> dict[str, Any] | None:
+    """The agent settings a ``treegrpo warmup`` folder was taught with (its record), if any."""
+    record = folder / WARMUP_RECORD
+    if not record.is_file():
+        return None
+    try:
+        agent = json.loads(record.read_text()).get("agent")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return agent if isinstance(agent, dict) else None

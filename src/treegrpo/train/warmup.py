@@ -24,6 +24,9 @@ import torch
 from treegrpo.envs.base import AgentEnv, Task
 from treegrpo.rollout.agent import StepRunner
 
+#: The record ``treegrpo warmup`` writes into its output folder (what was done, the agent settings).
+WARMUP_RECORD = "treegrpo_warmup.json"
+
 
 @dataclass(frozen=True)
 class WarmupConfig:
@@ -85,7 +88,7 @@ def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
         ids += s
         mask += [1] * len(s)
         if obs is not None:
-            o = list(tok.encode(obs, add_special_tokens=False))[: runner.cfg.max_obs_tokens]
+            o = runner.observation_ids(obs)[1]  # as the loop keeps it (truncation, chat format)
             ids += o
             mask += [0] * len(o)
     return EncodedDemo(ids, mask)

@@ -32,9 +32,9 @@ from treegrpo.tasks.datafile import search_demos
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.evaluate import evaluate
 from treegrpo.train.setup import build_run
-from treegrpo.train.warmup import WarmupConfig, encode_demo, supervised_warmup
+from treegrpo.train.warmup import WARMUP_RECORD, WarmupConfig, encode_demo, supervised_warmup
 
-RECORD_FILE = "treegrpo_warmup.json"
+RECORD_FILE = WARMUP_RECORD  # read back by build_run: the agent settings it was taught with
 #: The real-model warm-up recipe: one epoch at lr 1e-5 (full fine-tuning), batches of 8, one demo
 #: per forward/backward (a whole batch of SmolLM2-135M demos in one pass ran out of memory).
 REAL_MODEL_SFT = WarmupConfig(epochs=1, batch_size=8, pack_len=1024, lr=1e-5, warmup_frac=0.1, micro_batch_size=1)

@@ -1,0 +1,52 @@
+"""How an observation enters the context of a chat model: ``obs_format`` ``inline`` | ``chat``.
+
+``inline`` (Search-R1's way, the default): the observation text follows the generated step inside
+the same assistant turn (``… </search><information> … </information>``), so the whole trajectory
+is one assistant message and the model's next step continues it.
+
+``chat``: the observation becomes a new user turn through the tokenizer's chat template — the
+assistant turn is closed, the observation is the next message, and a new assistant turn is opened
+for the next step. With ChatML (SmolLM2, Qwen) the appended text is::
+
+    <|im_end|>\\n<|im_start|>user\\n<information> … </information><|im_end|>\\n<|im_start|>assistant\\n
+
+The pieces before and after the observation come from the template itself
+(:func:`observation_turn`), rendered once with a placeholder, so any template that renders a
+history as a prefix of its longer histories works; one that does not is refused with a clear error.
+In both formats the ids trained on are the ids generated plus the ids of what the environment
+returned (masked), and the template's rendering of the history is exactly those ids (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from treegrpo.errors import ConfigError
+
+ObsFormat = Literal["inline", "chat"]
+OBS_FORMATS: tuple[str, ...] = ("inline", "chat")
+#: The role of an observation turn in ``chat`` format (Search-R1's multi-turn variants and most
+#: instruct templates know ``user``; not every template knows ``tool``).
+OBS_ROLE = "user"
+_MARK = "\u2063OBSERVATION\u2063"
+
+
+def observation_turn(tokenizer: Any) -> tuple[str, str]:
+    """The text ``(before, after)`` an observation in ``chat`` format: ``before`` closes the
+    assistant turn and opens an observation turn, ``after`` closes it and opens the next
+    assistant turn. Raises :class:`ConfigError` when the tokenizer has no chat template or its
+    rendering of a history is not a prefix of the rendering with one more turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("obs_format=chat needs a tokenizer with a chat template; use obs_format=inline")
+    history = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    head = tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [*history, {"role": OBS_ROLE, "content": _MARK}], add_generation_prompt=True, tokenize=False
+    )
+    if not full.startswith(head) or full.count(_MARK) != 1:
+        raise ConfigError(
+            "obs_format=chat: this chat template does not render a conversation as a prefix of the same "
+            "conversation with one more turn, so a trajectory cannot grow turn by turn; use obs_format=inline"
+        )
+    before, _, after = full[len(head) :].partition(_MARK)
+    return before, after
