@@ -101,7 +101,7 @@ def train_cmd(
     from rich.console import Console
 
     if nproc > 1:
-        from treegrpo.train.distributed import launch
+        from treegrpo.train.launch import launch
 
         raise typer.Exit(launch(nproc))
 

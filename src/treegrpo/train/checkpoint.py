@@ -456,4 +456,5 @@ def restore(
     run = ck.run
     if "seed" in changed:
         run.reseed(cfg.seed)
+        run.rank_streams = []  # every rank restarts from the new seed
     return run

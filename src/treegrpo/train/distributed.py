@@ -410,27 +410,6 @@ class QuietLogger:
         pass
 
 
-def launch(nproc: int, argv: Sequence[str] | None = None) -> int:
-    """Run this command line again under torchrun with ``nproc`` processes on this machine
-    (``python -m torch.distributed.run --standalone --nproc_per_node K -m treegrpo …``, the
-    ``--nproc`` option removed); returns its exit status."""
-    import subprocess
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    kept: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            kept.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.call([*cmd, "-m", "treegrpo", *kept])
-
-
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over ``model``'s parameters; for FSDP2's sharded
     gradients the norm of each full gradient (gathered one parameter at a time), so the norm is
@@ -461,6 +440,8 @@ def full_optimizer_state(
     full = get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    if not full:  # cpu_offload: only rank 0 receives it (the rank that writes)
+        return {}
     index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.requires_grad)}
     return {
         "state": {index[k]: v for k, v in full["state"].items()},
