@@ -7,6 +7,7 @@ import sys
 
 from treegrpo.cli import main
 
-if os.environ.get("TREEGRPO_ARGV"):
-    sys.argv = [sys.argv[0], *json.loads(os.environ.pop("TREEGRPO_ARGV"))]
-main()
+if __name__ == "__main__":
+    if os.environ.get("TREEGRPO_ARGV"):
+        sys.argv = [sys.argv[0], *json.loads(os.environ.pop("TREEGRPO_ARGV"))]
+    main()
