@@ -112,11 +112,7 @@ def token_logprobs(
     sampling ``temperature``. The read-out is
     :func:`~treegrpo.train.logprobs.model_logprobs` with source position ``t - 1``
     (``temperature``, ``chunk_tokens``: see there)."""
-    inputs = {
-        "input_ids": batch.input_ids_B_T,
-        "attention_mask": batch.attention_mask_B_T,
-        "use_cache": False,
-    }
+    inputs = {"input_ids": batch.input_ids_B_T, "attention_mask": batch.attention_mask_B_T, "use_cache": False}
     T = batch.input_ids_B_T.shape[1]
     src_B_T = (torch.arange(T, device=batch.input_ids_B_T.device) - 1).expand_as(batch.input_ids_B_T)
     lp, ent = model_logprobs(

@@ -28,9 +28,7 @@ __all__ = ["ConfigError", "TrainConfig", "load_config", "make_config", "parse_se
 
 
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", populate_by_name=True, validate_assignment=True, allow_inf_nan=False
-    )
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True, allow_inf_nan=False)
 
     # -- what to train, on what ----------------------------------------------------------------
     model: str | None = Field(
@@ -116,9 +114,7 @@ class TrainConfig(BaseModel):
         description="Longest context a trajectory may reach (capped by the model's positions; a tiny agent: its recorded limit unless set).",
     )
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
-    engine: str = Field(
-        "hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed)."
-    )
+    engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
 
     # -- advantage and loss ------------------------------------------------------------------------
@@ -130,8 +126,7 @@ class TrainConfig(BaseModel):
         "std", description="Divide by the group std (std) or not (none, Dr. GRPO)."
     )
     adv_sqrt_weighting: bool = Field(
-        True,
-        description="treerl: divide a segment's value by sqrt(#leaves below it) (False: the paper's ablation).",
+        True, description="treerl: divide a segment's value by sqrt(#leaves below it) (False: the paper's ablation)."
     )
     adv_local: bool = Field(
         True, description="treerl: add the local term V(s) - V(parent) (False: global advantage only)."
@@ -196,8 +191,7 @@ class TrainConfig(BaseModel):
         description="Modules that get adapters (comma-separated names, e.g. q_proj,v_proj); all-linear = every linear layer but the LM head.",
     )
     packing: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Train packed (auto/on: each forest one row, every shared token once; auto falls back to per path for a model that rejects custom attention masks; off: one row per path).",
+        "auto", description="Train packed (auto/on: each forest one row, every shared token once; auto falls back to per path for a model that rejects custom attention masks; off: one row per path)."
     )
 
     # -- evaluation, logging, checkpoints ---------------------------------------------------------
@@ -208,9 +202,7 @@ class TrainConfig(BaseModel):
     dump_rollouts_every: int = Field(
         40, ge=0, description="Write the step's forests (with advantages) every N steps (0: never)."
     )
-    out_dir: str = Field(
-        "runs/tree", description="Where metrics, checkpoints and rollouts go (default: runs/<sampler>)."
-    )
+    out_dir: str = Field("runs/tree", description="Where metrics, checkpoints and rollouts go (default: runs/<sampler>).")
     resume: bool = Field(
         False,
         description="Resume from out_dir/checkpoint (verified; falls back to checkpoint.prev); a finished run is left as it is.",
@@ -226,9 +218,7 @@ class TrainConfig(BaseModel):
         description="With more than one process (torchrun, or treegrpo train --nproc K): ddp = every rank holds the whole model (DDP); fsdp2 = parameters, gradients and optimizer state sharded across ranks (FSDP2 fully_shard), for a model that does not fit one device. One process: ignored.",
     )
     threads: int = Field(
-        1,
-        ge=0,
-        description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models).",
+        1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
     )
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
 
@@ -319,12 +309,8 @@ class TrainConfig(BaseModel):
 
 #: ``auto`` values per model kind (documented in the field descriptions and the README table).
 TINY_LR = 5e-4  # the bootstrapped tiny agent (0.57M parameters, trained from scratch by its bootstrap)
-FULL_FT_LR = (
-    1e-6  # Search-R1 train_grpo.sh / train_ppo.sh: actor_rollout_ref.actor.optim.lr=1e-6 (Qwen2.5-3B)
-)
-LORA_LR = (
-    1e-5  # ~10x full fine-tuning ("LoRA Without Regret"); verl's LoRA GRPO example: 3e-6 at rank 64, alpha 32
-)
+FULL_FT_LR = 1e-6  # Search-R1 train_grpo.sh / train_ppo.sh: actor_rollout_ref.actor.optim.lr=1e-6 (Qwen2.5-3B)
+LORA_LR = 1e-5  # ~10x full fine-tuning ("LoRA Without Regret"); verl's LoRA GRPO example: 3e-6 at rank 64, alpha 32
 REAL_CHUNK_TOKENS = 1024  # one chunk's float32 logits: 1024 x 49152 (SmolLM2) x 4 B = 200 MB
 
 
@@ -417,9 +403,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8"
-            ) from None
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {_one_line_yaml(e)}") from None
         if not isinstance(loaded, dict):

@@ -50,10 +50,8 @@ def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) ->
 def well_formed(tree: Tree, leaf_id: int) -> bool:
     """A trajectory that followed the protocol: every step a valid action, ending in an answer."""
     steps = tree.path(leaf_id)[1:]
-    return (
-        bool(steps)
-        and steps[-1].extra.get("kind") == "answer"
-        and all(n.extra.get("kind") in ("search", "answer") for n in steps)
+    return bool(steps) and steps[-1].extra.get("kind") == "answer" and all(
+        n.extra.get("kind") in ("search", "answer") for n in steps
     )
 
 

@@ -248,9 +248,7 @@ def check_step(
         count = _alert(history, name, reason is not None)
         out[f"monitor/alert/{name}"] = float(count)
         patience = 1 if name == "nonfinite" else max(1, th.patience)  # a NaN is news at once
-        due = count == patience or (
-            th.repeat_every > 0 and count > patience and (count - patience) % th.repeat_every == 0
-        )
+        due = count == patience or (th.repeat_every > 0 and count > patience and (count - patience) % th.repeat_every == 0)
         if reason is not None and due:
             held = f" (for {count} steps)" if count > 1 else ""
             warnings.append(f"warning: {where}{reason}{held}")

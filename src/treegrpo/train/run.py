@@ -15,16 +15,10 @@ def summary_table(s: TrainSummary) -> Table:
     t.add_column("")
     t.add_column("start", justify="right")
     t.add_column("end", justify="right")
-    for key, label in (
-        ("eval/success_sampled", "held-out success, sampled T=1"),
-        ("eval/success_greedy", "held-out success, greedy"),
-    ):
+    for key, label in (("eval/success_sampled", "held-out success, sampled T=1"), ("eval/success_greedy", "held-out success, greedy")):
         if key in s.eval_start:
             t.add_row(label, f"{s.eval_start[key]:.3f}", f"{s.eval_end.get(key, float('nan')):.3f}")
-    for key, label in (
-        ("eval/tool_calls_sampled", "tool calls / trajectory (eval, sampled)"),
-        ("eval/tool_calls_greedy", "tool calls / trajectory (eval, greedy)"),
-    ):
+    for key, label in (("eval/tool_calls_sampled", "tool calls / trajectory (eval, sampled)"), ("eval/tool_calls_greedy", "tool calls / trajectory (eval, greedy)")):
         if key in s.eval_start:
             t.add_row(label, f"{s.eval_start[key]:.2f}", f"{s.eval_end.get(key, float('nan')):.2f}")
     t.add_section()

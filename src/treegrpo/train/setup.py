@@ -38,16 +38,13 @@ class RunParts:
 _LIMITS = ("max_turns", "max_step_tokens", "max_obs_tokens", "max_context_tokens")
 
 
-def agent_config(
-    cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_positions: int | None = None
-) -> AgentConfig:
+def agent_config(cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_positions: int | None = None) -> AgentConfig:
     """The agent loop's limits: fields the user set win; otherwise the limits a bootstrapped model
     was taught with (``recorded``), then the config defaults. The context never exceeds what the
     model can position (``max_positions``)."""
     recorded = recorded or {}
     limits = {
-        k: getattr(cfg, k) if k in cfg.model_fields_set or k not in recorded else int(recorded[k])
-        for k in _LIMITS
+        k: getattr(cfg, k) if k in cfg.model_fields_set or k not in recorded else int(recorded[k]) for k in _LIMITS
     }
     if max_positions is not None:
         limits["max_context_tokens"] = min(limits["max_context_tokens"], int(max_positions))

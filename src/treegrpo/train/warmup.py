@@ -204,9 +204,7 @@ def _policy_weight(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["weights"][:, 1:][sel].sum() if "weights" in batch else sel.sum().to(torch.float32)
 
 
-def _policy_ce(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _policy_ce(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-policy-token cross-entropy and weights (``None`` without ``weights``)."""
     labels = batch["labels"][:, 1:]
     sel = labels != -100
@@ -297,6 +295,7 @@ def supervised_warmup(
         "final_loss_ema": float(ema or 0.0),
         "steps": total,
     }
+
 
 
 __all__ = [

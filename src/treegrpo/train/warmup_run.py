@@ -37,9 +37,7 @@ from treegrpo.train.warmup import WarmupConfig, encode_demo, supervised_warmup
 RECORD_FILE = "treegrpo_warmup.json"
 #: The real-model warm-up recipe: one epoch at lr 1e-5 (full fine-tuning), batches of 8, one demo
 #: per forward/backward (a whole batch of SmolLM2-135M demos in one pass ran out of memory).
-REAL_MODEL_SFT = WarmupConfig(
-    epochs=1, batch_size=8, pack_len=1024, lr=1e-5, warmup_frac=0.1, micro_batch_size=1
-)
+REAL_MODEL_SFT = WarmupConfig(epochs=1, batch_size=8, pack_len=1024, lr=1e-5, warmup_frac=0.1, micro_batch_size=1)
 
 
 @dataclass(frozen=True)
@@ -72,9 +70,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     env = parts.env
     demos = search_demos(parts.train_tasks[: run.demos], env)  # type: ignore[arg-type]
     if not demos:
-        raise ConfigError(
-            f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus"
-        )
+        raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
     encoded = [encode_demo(encoder, d) for d in demos]
     runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device), env, tok, parts.agent_cfg)
