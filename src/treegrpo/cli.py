@@ -94,10 +94,16 @@ def train_cmd(
     resume: bool = typer.Option(False, "--resume", help="Resume from OUT_DIR/checkpoint (a finished run is left as it is; --steps may grow)."),
     resume_override: str | None = typer.Option(None, "--resume-override", help="With --resume: comma-separated fields that may differ from the run's config (e.g. lr,seed); applied and recorded."),
     set_: list[str] = typer.Option([], "--set", help="Any other TrainConfig field: --set key=value (repeatable)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes on this machine: relaunches itself under torchrun (torch.distributed.run --nproc_per_node K); more machines: torchrun's own rendezvous (README)."),
 ) -> None:
     """Train with Tree-GRPO (default) or chain GRPO. With no arguments: the tiny agent on the
     synthetic multi-hop world, bootstrapped and cached on first use."""
     from rich.console import Console
+
+    if nproc > 1:
+        from treegrpo.train.launch import launch
+
+        raise typer.Exit(launch(nproc))
 
     from treegrpo.train.config import ConfigError, load_config, parse_set
 

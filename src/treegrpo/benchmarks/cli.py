@@ -234,3 +234,23 @@ def bench_real_cmd(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+@bench.command("scale")
+def bench_scale_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/scale.json"), help="Results JSON (plot next to it, .png)."),
+    steps: int = typer.Option(6, help="RL steps per world size (the first is dropped as warm-up)."),
+    nproc: int = typer.Option(2, help="Processes to compare with one."),
+    model: str | None = typer.Option(None, help="--model of the runs (default: the bootstrapped default agent)."),
+    set_: list[str] = typer.Option([], "--set", help="Extra TrainConfig fields of the runs (key=value, repeatable)."),
+) -> None:
+    """1 vs K data-parallel processes on the default run: CPU seconds per step of the slowest
+    rank, scaling efficiency, rollout/update split."""
+    from treegrpo.benchmarks.scale import run_bench
+
+    extra = [x for kv in set_ for x in ("--set", kv)]
+    try:
+        run_bench(out, steps=steps, worlds=(1, nproc), model=model, extra=extra, log=lambda m: typer.echo(m, err=True))
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None

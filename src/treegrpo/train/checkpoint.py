@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from treegrpo.io import atomic_write_json, fsync_path, sha256_file
 from treegrpo.models.lora import is_lora, load_adapter, save_model_folder
 from treegrpo.train.config import ConfigError, TrainConfig
+from treegrpo.train.distributed import SINGLE, Parallel, load_full_optimizer_state, load_full_weights
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
@@ -60,6 +61,7 @@ RESUME_FREE_FIELDS = frozenset(
         "resume_override",
         "steps",  # upwards only: the checkpoint's step is a floor
         "device",
+        "parallel",  # and the number of processes: the update is the same (train/distributed.py)
         "threads",
         "tensorboard",
         "eval_every",
@@ -98,6 +100,7 @@ class RunState:
     last_eval: dict[str, float] = field(default_factory=dict)
     em_curve: list[list[float]] = field(default_factory=list)  # [generated tokens, held-out success]
     wall_s: float = 0.0  # wall seconds of the run up to ``step`` (all sessions)
+    rank_streams: list[dict[str, Any]] = field(default_factory=list)  # data parallel: every rank's picks/gen
 
     @classmethod
     def fresh(cls, seed: int, eval_start: dict[str, float] | None = None) -> RunState:
@@ -113,6 +116,16 @@ class RunState:
         """Restart the three streams as a new run at ``seed`` would (a resume overriding ``seed``)."""
         new = RunState.fresh(seed)
         self.rng, self.pick_rng, self.gen = new.rng, new.pick_rng, new.gen
+
+    def stream_state(self) -> dict[str, Any]:
+        """This process's tree-pick and sampling streams, as plain data."""
+        return {"pick_rng": _random_state(self.pick_rng), "gen": self.gen.get_state()}
+
+    def load_streams(self, d: dict[str, Any]) -> None:
+        """Continue the streams of a :meth:`stream_state`."""
+        self.pick_rng = _random_from(d["pick_rng"])
+        self.gen = torch.Generator()
+        self.gen.set_state(d["gen"])
 
     def account(
         self, n_traj: int, generated: int, prefill: int, tool_calls: int, rollout_s: float, update_s: float
@@ -138,6 +151,7 @@ class RunState:
             "last_eval": dict(self.last_eval),
             "em_curve": [list(p) for p in self.em_curve],
             "wall_s": self.wall_s,
+            **({"rank_streams": list(self.rank_streams)} if self.rank_streams else {}),
         }
 
     @classmethod
@@ -155,6 +169,7 @@ class RunState:
             last_eval=dict(d["last_eval"]),
             em_curve=[list(p) for p in d["em_curve"]],
             wall_s=float(d["wall_s"]),
+            rank_streams=list(d.get("rank_streams", [])),
         )
 
 
@@ -188,12 +203,15 @@ def save_run(
     optimizer: torch.optim.Optimizer,
     cfg: TrainConfig,
     extra_files: dict[str, str] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> None:
-    """Checkpoint a run: weights, tokenizer, optimizer, :class:`RunState` and the config it ran with."""
+    """Checkpoint a run: weights, tokenizer, optimizer, :class:`RunState` and the config it ran with.
+    ``optimizer_state``: the optimizer's full state when it is not ``optimizer.state_dict()``
+    (sharded, :func:`~treegrpo.train.distributed.full_optimizer_state`)."""
     state = {
         "format": STATE_FORMAT,
         "run": run.to_state(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
         "config": cfg.model_dump(),
         "config_set": sorted(cfg.model_fields_set),  # what the user gave, for agent limits on resume
     }
@@ -414,9 +432,10 @@ def restore(
     optimizer: torch.optim.Optimizer,
     cfg: TrainConfig,
     changed: dict[str, tuple[Any, Any]],
+    par: Parallel = SINGLE,
 ) -> RunState:
     """Load ``ck``'s weights (a LoRA model: its adapter, from ``lora_adapter/``) and optimizer
-    into ``model``/``optimizer`` and return its run state,
+    into ``model``/``optimizer`` (sharded by ``par`` under FSDP2) and return its run state,
     with the overridden fields of ``changed`` applied: the optimizer takes ``cfg``'s lr and weight
     decay, a changed seed restarts the RNG streams (everything else is read from ``cfg`` each step)."""
     from treegrpo.models.loader import load_model
@@ -425,8 +444,8 @@ def restore(
         if is_lora(model):  # the base is the run's --model, frozen; the adapter is restored exactly
             load_adapter(model, ck.folder)
         else:
-            model.load_state_dict(load_model(ck.folder, dtype=_dtype(model)).state_dict())
-        optimizer.load_state_dict(ck.optimizer)
+            load_full_weights(par, model, load_model(ck.folder, dtype=_dtype(model)).state_dict())
+        load_full_optimizer_state(par, model, optimizer, ck.optimizer)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
@@ -437,4 +456,5 @@ def restore(
     run = ck.run
     if "seed" in changed:
         run.reseed(cfg.seed)
+        run.rank_streams = []  # every rank restarts from the new seed
     return run

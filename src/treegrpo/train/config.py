@@ -217,6 +217,10 @@ class TrainConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed of the run (prompt order, tree picks, sampling).")
     device: str = Field("cpu", description="torch device.")
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="With more than one process (torchrun, or treegrpo train --nproc K): ddp = every rank holds the whole model (DDP); fsdp2 = parameters, gradients and optimizer state sharded across ranks (FSDP2 fully_shard), for a model that does not fit one device. One process: ignored.",
+    )
     threads: int = Field(
         1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
     )

@@ -53,7 +53,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, or kept in float64 (never rounded down to float32)."""
     return x if x.dtype == torch.float64 else x.float()

@@ -22,7 +22,7 @@ from treegrpo.algos.losses import LossConfig
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.models.loader import MARKER_FILE
-from treegrpo.models.lora import AdapterDisabled, apply_lora, is_lora, sampling_module
+from treegrpo.models.lora import AdapterDisabled, apply_lora, is_lora
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
@@ -37,6 +37,7 @@ from treegrpo.train.checkpoint import (
     save_run,
 )
 from treegrpo.train.config import TrainConfig, resolve_model_defaults, warn_single_leaf_groups
+from treegrpo.train.distributed import Parallel, QuietLogger, full_optimizer_state, shard
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.metrics import MetricsLogger
 from treegrpo.train.monitors import check_step
@@ -110,12 +111,14 @@ def train(
     """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given;
     ``eval_start`` is the starting policy's held-out evaluation when the caller already has it
     (evaluation is deterministic, so runs from one model can share it)."""
+    par = Parallel.from_env(cfg.parallel, cfg.device)  # one process, or this rank of torchrun's job
     warn_single_leaf_groups(cfg)  # their advantage has no baseline
-    console = console or Console(soft_wrap=True)
+    console = (console or Console(soft_wrap=True)) if par.main else Console(quiet=True)
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
+    if par.main:
+        remove_stale_temps(out)
     resume_from = open_checkpoint(out, console.print) if cfg.resume else None
     changed: dict[str, tuple[Any, Any]] = {}  # config fields a resume overrides
     if resume_from is not None:  # the recorded config, with what this call sets explicitly on top
@@ -126,11 +129,12 @@ def train(
         torch.set_num_threads(cfg.threads)
 
     # -- the pieces ------------------------------------------------------------------------------
-    parts = parts or build_run(cfg)  # the model in cfg.dtype
+    parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file())  # lr, chunking: auto
     model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
     ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
-    engine = make_engine(cfg.engine, sampling_module(model), tok, device=cfg.device)
+    par.wrap(model, ref_model, cfg.device)  # DDP, or FSDP2 shards (several processes only)
+    engine = make_engine(cfg.engine, par.rollout_module(model), tok, device=cfg.device)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
@@ -153,21 +157,29 @@ def train(
     if resume_from is None:
         run = RunState.fresh(cfg.seed, eval_start)  # prompt order, tree picks and sampling streams
     else:
-        run = restore(resume_from, model, optimizer, cfg, changed)  # applies overridden lr/seed
+        run = restore(resume_from, model, optimizer, cfg, changed, par)  # applies overridden lr/seed
         for k, (old, new) in changed.items():
             console.print(f"resume: {k} changed from {old!r} to {new!r} (--resume-override)")
         console.print(f"[bold]resumed[/] from {resume_from.folder} at step {run.step}")
+    par.own_streams(run, cfg.seed)  # rank r > 0: its own tree picks and sampling
     wall_before = run.wall_s  # earlier sessions of this run
-    logger = MetricsLogger(
-        out, cfg.tensorboard, resume_step=run.step if resume_from else None, say=console.print
+    logger = (
+        QuietLogger()
+        if not par.main
+        else MetricsLogger(
+            out, cfg.tensorboard, resume_step=run.step if resume_from else None, say=console.print
+        )
     )
-    atomic_write_json(out / "config.json", cfg.model_dump())
+    if par.main:
+        atomic_write_json(out / "config.json", cfg.model_dump())
     console.print(
         f"[bold]treegrpo[/] {cfg.sampler} {run_shape(cfg)} · advantage {estimator} · model {parts.model_dir} · "
         f"{len(parts.train_tasks)} train / {len(parts.eval_tasks)} eval questions · {cfg.steps} steps"
     )
     if resume_from is None:
-        run.eval_start = run.eval_start or evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+        run.eval_start = run.eval_start or par.on_main(
+            lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+        )
         run.last_eval = run.eval_start
         run.em_curve.append([0, headline(run.eval_start)])
         logger.log(0, run.eval_start)
@@ -187,15 +199,17 @@ def train(
     with progress:
         bar = progress.add_task("train", total=cfg.steps, completed=run.step)
         for step in range(run.step + 1, cfg.steps + 1):
-            # 1. rollout: one batch of prompts, grown into forests by the sampler
+            # 1. rollout: one batch of prompts (the same on every rank; each grows its share)
             tasks = run.rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
-            t0 = time.perf_counter()
-            engine.load_weights(sampling_module(model))
-            result: RolloutResult = sampler(runner, tasks, sampler_cfg, run.pick_rng, run.gen)
-            t1 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.load_weights(par.rollout_module(model))
+            mine = shard(tasks, par.rank, par.world)
+            result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
+            t1, c1 = time.perf_counter(), time.process_time()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = _advantages(result, estimator, adv_cfg, parts.env)
-            n_traj = sum(f.n_trajectories() for f in result.forests)
+            everything = par.gather_rollouts(result)  # all ranks' forests, in task order
+            n_traj = sum(f.n_trajectories() for f in everything.forests)
             # 3. policy update: packed (each shared token once) or per path, see train/update.py
             lr = lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
             set_lr(optimizer, lr)  # warm-up and schedule: one value per RL step
@@ -209,42 +223,57 @@ def train(
                 loss_cfg,
                 tok.pad_token_id,
                 console.print,
+                par,
             )
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
+            dt_roll, dt_upd, cpu_roll, cpu_upd = par.slowest(t1 - t0, t2 - t1, c1 - c0, c2 - c1)
             # 4. bookkeeping: metrics, evaluation, rollouts, checkpoint
-            budget = result.total()
+            budget = everything.total()
             run.step = step
             run.account(
-                n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, t1 - t0, t2 - t1
+                n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
             )
-            metrics.update(rollout_metrics(result, n_traj))
+            metrics.update(rollout_metrics(everything, n_traj))
             metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
-            metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
+            metrics.update({"time/rollout_s": dt_roll, "time/update_s": dt_upd})
+            metrics.update({"time/rollout_cpu_s": cpu_roll, "time/update_cpu_s": cpu_upd})  # slowest rank
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
                 metrics["actor/lr"] = lr
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                run.last_eval = evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
+                par.rollout_module(model)  # FSDP2: the engine's full copy refreshed from the shards
+                run.last_eval = par.on_main(lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled))
                 metrics.update(run.last_eval)
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval)])
             monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
             metrics.update(monitored)
             logger.log(step, metrics)
-            if cfg.dump_rollouts_every and (step % cfg.dump_rollouts_every == 0 or step == cfg.steps):
-                for f, b in zip(result.forests, result.budgets, strict=True):
+            if (
+                par.main
+                and cfg.dump_rollouts_every
+                and (step % cfg.dump_rollouts_every == 0 or step == cfg.steps)
+            ):
+                for f, b in zip(everything.forests, everything.budgets, strict=True):
                     score_forest(f, estimator, adv_cfg)
                     f.extra["budget"] = b.to_dict()  # what this prompt's rollout cost (the viewer shows it)
-                write_forests(result.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
+                write_forests(everything.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
             console.print(step_line(step, metrics))
             for warning in step_warnings(metrics) + alerts:
                 console.print(warning, markup=False, style="yellow")
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.wall_s = wall_before + time.perf_counter() - t_start
-                save_run(out / CHECKPOINT_DIR, run, model, tok, optimizer, cfg, parts.extra_files)
+                par.collect_streams(run)  # every rank's streams; FSDP2 gathers weights and optimizer:
+                weights, opt_state = par.checkpoint_module(model), full_optimizer_state(par, model, optimizer)
+                if par.main:
+                    save_run(
+                        out / CHECKPOINT_DIR, run, weights, tok, optimizer, cfg, parts.extra_files, opt_state
+                    )
             progress.advance(bar)
     logger.close()
     run.wall_s = wall_before + time.perf_counter() - t_start
     summary = TrainSummary.of_run(out, cfg.steps, run)
-    atomic_write_json(out / "summary.json", summary.to_dict())
+    if par.main:
+        atomic_write_json(out / "summary.json", summary.to_dict())
+    par.close()
     return summary
 
 
@@ -305,17 +334,3 @@ def reference_policy(model: torch.nn.Module, cfg: TrainConfig) -> Reference | No
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -25,7 +25,7 @@ from treegrpo.train.packing.forward import (
     packed_logprobs,
     path_logprobs_packed,
 )
-from treegrpo.train.packing.layout import PackedBatch, pack_forests
+from treegrpo.train.packing.layout import PackedBatch, empty_batch, pack_forests
 from treegrpo.train.packing.loss import PACKABLE_POLICY_LOSSES, packed_loss
 from treegrpo.train.packing.rows import split_rows
 
@@ -33,6 +33,7 @@ __all__ = [
     "PACKABLE_POLICY_LOSSES",
     "PackedBatch",
     "attention_pair_cost",
+    "empty_batch",
     "model_dtype",
     "pack_forests",
     "packed_logprobs",

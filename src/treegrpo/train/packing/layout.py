@@ -332,3 +332,34 @@ def pack_forests(
         _collate_rows([rows[i] for i in mb], weights, pad_id, count_total)
         for mb in micro_batches([len(r) for r in rows], max_tokens)
     ]
+
+
+def empty_batch(pad_id: int = 0, count_total: float = 0.0) -> PackedBatch:
+    """A micro-batch with no path: one row of two pad tokens (the second read at the first, so the
+    forward reaches the LM head), weight 0 and no loss term. Its loss is 0 with a zero gradient on
+    every parameter — what a data-parallel rank with fewer micro-batches runs so that every rank
+    takes part in the same collectives."""
+    zero = torch.zeros((1, 2), dtype=torch.float32)
+    none_f, none_l = torch.zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.long)
+    return PackedBatch(
+        input_ids_B_L=torch.full((1, 2), pad_id, dtype=torch.long),
+        position_ids_B_L=torch.tensor([[0, 1]], dtype=torch.long),
+        mask_B_1_L_L=torch.tensor([[[[0.0, torch.finfo(torch.float32).min], [0.0, 0.0]]]]),
+        prev_B_L=torch.tensor([[-1, 0]], dtype=torch.long),
+        valid_B_L=torch.ones((1, 2), dtype=torch.bool),
+        sample_logprobs_B_L=zero.clone(),
+        weight_B_L=zero.clone(),
+        count_B_L=zero.clone(),
+        term_row_J=none_l,
+        term_col_J=none_l.clone(),
+        term_adv_J=none_f,
+        term_weight_J=none_f.clone(),
+        term_count_J=none_f.clone(),
+        path_row_P=none_l.clone(),
+        path_index_P_T=torch.zeros((0, 0), dtype=torch.long),
+        path_len_P=none_l.clone(),
+        path_ids=[],
+        n_path_tokens=0,
+        n_packed_tokens=0,
+        count_total=count_total,
+    )
