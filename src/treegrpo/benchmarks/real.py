@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.provenance import provenance
+from treegrpo.benchmarks.real_costs import engine_vs_generate, step_costs
 from treegrpo.io import atomic_write_json
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.trainer import TrainSummary, train
@@ -156,16 +157,16 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
 
 def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
     """All three stages; writes ``out`` (JSON) and its PNG; returns the results."""
-    from treegrpo.benchmarks.real_costs import engine_vs_generate, step_costs
-
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     warm = warmup_stage(spec, work, log)
     rl = rl_stage(spec, work, warm, log)
     log("costs: engine vs model.generate")
-    gen = engine_vs_generate(work / "warm", spec, log)
+    gen = engine_vs_generate(base_config(spec, model=str(work / "warm")), spec.cost_prompts, log)
     log(f"costs: one step per mode {spec.cost_modes}")
-    steps = step_costs(work / "warm", spec, work / "costs", log)
+    steps = step_costs(
+        work / "warm", spec.data, spec.corpus, spec.seed, spec.overrides, spec.cost_modes, work / "costs", log
+    )
     before, after = warm["eval_before"], warm["eval_after"]
     checks = {
         "warmup_well_formed": after["eval/well_formed_greedy"] >= TARGETS["warmup_well_formed_min"],

@@ -21,12 +21,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from treegrpo.benchmarks.real import RealSpec
+from treegrpo.train.config import TrainConfig
 
 Log = Callable[[str], None]
 
@@ -57,17 +56,17 @@ def _generated(new_ids: list[int], stop_ids: set[int], tok: Any, stops: tuple[st
     return len(new_ids)
 
 
-def engine_vs_generate(model_ref: Path, spec: RealSpec, log: Log) -> dict[str, Any]:
-    """Generated tokens per CPU-second: the rollout engine vs ``model.generate``, same prompts."""
-    from treegrpo.benchmarks.real import base_config
+def engine_vs_generate(cfg: TrainConfig, n_prompts: int, log: Log) -> dict[str, Any]:
+    """Generated tokens per CPU-second: the rollout engine vs ``model.generate``, on the first
+    ``n_prompts`` held-out prompts of the run ``cfg``."""
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
     from treegrpo.train.setup import build_run
 
-    parts = build_run(base_config(spec, model=str(model_ref)))
+    parts = build_run(cfg)
     model, tok = parts.model.eval(), parts.tokenizer
     runner = StepRunner(None, parts.env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # prompts only
-    prompts = [runner.prompt_ids(t) for t in parts.eval_tasks[: spec.cost_prompts]]
+    prompts = [runner.prompt_ids(t) for t in parts.eval_tasks[:n_prompts]]
     params = dataclasses.replace(runner.params, temperature=0.0)
     engine = make_engine("hf", model, tok)
     stop_ids = {i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None} | set(params.stop_token_ids)
@@ -99,18 +98,21 @@ def engine_vs_generate(model_ref: Path, spec: RealSpec, log: Log) -> dict[str, A
     return {"prompts": len(prompts), "max_new_tokens": params.max_new_tokens, **rows, "ratio": ratio}
 
 
-def step_costs(model_ref: Path, spec: RealSpec, work: Path, log: Log) -> dict[str, dict[str, float]]:
-    """One (2,2,1) step of 2 prompts per mode in :data:`MODES`, each in its own process."""
+def step_costs(
+    model_ref: Path, data: str, corpus: str, seed: int, overrides: dict[str, Any], modes: tuple[str, ...], work: Path, log: Log
+) -> dict[str, dict[str, float]]:
+    """One (2,2,1) step of 2 prompts per mode of ``modes`` (:data:`MODES`), each in its own
+    process; ``overrides`` are further TrainConfig fields."""
     out: dict[str, dict[str, float]] = {}
-    for mode in spec.cost_modes:
+    for mode in modes:
         run_dir = work / mode
         cmd = [
             sys.executable, "-c", "from treegrpo.cli import main; main()", "train",
-            "--model", str(model_ref), "--data", spec.data, "--corpus", spec.corpus, "--steps", "1",
+            "--model", str(model_ref), "--data", data, "--corpus", corpus, "--steps", "1",
             "--prompts-per-step", "2", "--m", "2", "--n", "2", "--l", "1", "--out-dir", str(run_dir),
-            "--seed", str(spec.seed), "--set", "eval_prompts=1", "--set", "eval_sampled=false",
+            "--seed", str(seed), "--set", "eval_prompts=1", "--set", "eval_sampled=false",
             "--set", "tensorboard=false", *MODES[mode],
-            *(x for k, v in spec.overrides.items() for x in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")),
+            *(x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")),
         ]  # fmt: skip
         res = subprocess.run([sys.executable, "-c", _MIDDLE, json.dumps(cmd)], capture_output=True, text=True, check=False)
         got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
