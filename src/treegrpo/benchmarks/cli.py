@@ -201,6 +201,7 @@ def bench_real_cmd(
     eval_prompts: int = typer.Option(16, help="Held-out questions per evaluation (greedy)."),
     rl_steps: int = typer.Option(4, help="Steps of each paired RL run (tree (2,2,1) and chain 4)."),
     prompts_per_step: int = typer.Option(2, help="Prompts per RL step."),
+    rl_lr: float = typer.Option(1e-5, help="RL learning rate (a few steps: above the 1e-6 full fine-tuning default)."),
     seed: int = typer.Option(0, help="Seed of both RL runs (prompt order, sampling)."),
     cost_prompts: int = typer.Option(4, help="Prompts of the engine vs model.generate comparison."),
     modes: str = typer.Option("paths,packed,lora", help="One-step runs measured in their own processes."),
@@ -217,8 +218,8 @@ def bench_real_cmd(
     if bad := [m for m in mode_list if m not in MODES]:
         typer.echo(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}", err=True)
         raise typer.Exit(2)
-    if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts) < 1 or not sft_lr > 0:
-        typer.echo("error: counts must be >= 1 and --sft-lr > 0", err=True)
+    if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts) < 1 or not (sft_lr > 0 and rl_lr > 0):
+        typer.echo("error: counts must be >= 1 and --sft-lr, --rl-lr > 0", err=True)
         raise typer.Exit(2)
     overrides = dict(kv.split("=", 1) for kv in sets if "=" in kv)
     if len(overrides) != len(sets):
@@ -226,7 +227,7 @@ def bench_real_cmd(
         raise typer.Exit(2)
     spec = RealSpec(
         model=model, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch, eval_prompts=eval_prompts,
-        rl_steps=rl_steps, prompts_per_step=prompts_per_step, seed=seed, cost_prompts=cost_prompts,
+        rl_steps=rl_steps, prompts_per_step=prompts_per_step, rl_lr=rl_lr, seed=seed, cost_prompts=cost_prompts,
         cost_modes=mode_list, overrides=overrides,
     )  # fmt: skip
     try:

@@ -57,7 +57,8 @@ class RealSpec:
         data / corpus: questions and the in-process retriever's corpus.
         demos / sft_lr / sft_batch: the warm-up (demonstrations, AdamW lr, demos per step).
         eval_prompts: held-out questions (greedy) for every evaluation.
-        rl_steps / prompts_per_step: each paired RL run.
+        rl_steps / prompts_per_step / rl_lr: each paired RL run (a few steps: a larger lr than the
+            full fine-tuning default of 1e-6, which is meant for hundreds of steps).
         seed: prompt order and sampling streams, the same for both RL runs.
         cost_prompts: prompts of the engine-vs-``generate`` comparison.
         cost_modes: the one-step runs measured in their own processes (``paths``, ``packed``, ``lora``).
@@ -73,6 +74,7 @@ class RealSpec:
     sft_batch: int = 4
     eval_prompts: int = 16
     rl_steps: int = 4
+    rl_lr: float = 1e-5
     prompts_per_step: int = 2
     seed: int = 0
     cost_prompts: int = 4
@@ -128,6 +130,7 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
             out_dir=str(run_dir),
             steps=spec.rl_steps,
             prompts_per_step=spec.prompts_per_step,
+            lr=spec.rl_lr,
             eval_every=spec.rl_steps,
             save_every=spec.rl_steps,
             **fields,
