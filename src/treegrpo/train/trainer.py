@@ -130,7 +130,7 @@ def train(
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file())  # lr, chunking: auto
     model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
     ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
-    engine = make_engine(cfg.engine, sampling_module(model), tok, device=cfg.device)
+    engine = make_engine(cfg.engine, sampling_module(model), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
