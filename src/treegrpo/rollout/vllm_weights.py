@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -109,6 +110,17 @@ def scannable_modules() -> Iterator[None]:
     module attribute; llvmlite's ``binding.ffi.lib``, imported with numba, answers ``vars()`` with a
     function wrapper). They are put back afterwards."""
     hidden: list[tuple[ModuleType, str, Any]] = []
+    with warnings.catch_warnings():  # attribute probes of deprecated aliases warn
+        warnings.simplefilter("ignore")
+        _hide(hidden)
+    try:
+        yield
+    finally:
+        for module, attr, value in hidden:
+            setattr(module, attr, value)
+
+
+def _hide(hidden: list[tuple[ModuleType, str, Any]]) -> None:
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
@@ -121,11 +133,6 @@ def scannable_modules() -> Iterator[None]:
             if not ok:
                 hidden.append((module, attr, value))
                 del namespace[attr]
-    try:
-        yield
-    finally:
-        for module, attr, value in hidden:
-            setattr(module, attr, value)
 
 
 # -- head padding --------------------------------------------------------------------------------
