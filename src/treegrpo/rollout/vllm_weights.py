@@ -171,6 +171,8 @@ def serve_folder(folder: Path) -> tuple[Path, Callable[[WeightPairs], WeightPair
     Raises:
         ValueError: an unsupported head size in an architecture other than Qwen2 / Llama.
     """
+    if not (folder / "config.json").is_file():  # a hub id: vLLM resolves it (no padding)
+        return folder, None
     cfg = json.loads((folder / "config.json").read_text())
     d = _head_dim(cfg)
     if d in CPU_HEAD_SIZES:
