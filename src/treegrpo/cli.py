@@ -78,6 +78,7 @@ def train_cmd(
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
     task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic) | sql (a database agent: a stateful tool)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
+    engine: str | None = typer.Option(None, help="Rollout (and evaluation) engine: hf | vllm (vLLM installed; see README)."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
     n: int | None = typer.Option(None, "--n", "--ts-n", help="Tree: expansions per tree per round (N)."),
     l: int | None = typer.Option(None, "--l", "--ts-l", help="Tree: expansion rounds (L)."),
@@ -110,7 +111,7 @@ def train_cmd(
     console = Console(soft_wrap=True)
     overrides = {
         "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
-        "preset": preset, "sampler": sampler, "m": m, "n": n, "l": l, "group_size": group_size,
+        "preset": preset, "sampler": sampler, "engine": engine, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
         "resume_override": resume_override,

@@ -52,3 +52,12 @@ def test_vllm_without_vllm_says_how_to_install(tmp_path: Path) -> None:
     with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'") as err:
         make_engine("vllm", tmp_path, None, device="cuda")
     assert INSTALL_HINT in str(err.value)
+
+
+def test_an_option_the_engine_does_not_take_is_one_line(tiny_model_dir: Path) -> None:
+    from treegrpo.errors import ConfigError
+    from treegrpo.models.loader import load_model, load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"engine 'hf': .*'kv_cache_gb'.*engine_options") as err:
+        make_engine("hf", load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), kv_cache_gb=2)
+    assert "\n" not in str(err.value)

@@ -142,7 +142,7 @@ def engine(llm: FakeLLM) -> VLLMEngine:
 def test_clear_error_without_vllm(tmp_path: Path) -> None:
     import treegrpo.rollout.vllm_engine as mod  # importing works without vLLM
 
-    assert mod.INSTALL_HINT == "pip install 'treegrpo[vllm]'"
+    assert mod.INSTALL_HINT.startswith("pip install 'treegrpo[vllm]'")
     with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'"):
         VLLMEngine(FakeLLM())
     with pytest.raises(ImportError, match=r"pip install 'treegrpo\[vllm\]'"):
@@ -258,7 +258,7 @@ def test_weight_sync_pushes_the_state_dict_then_resets_the_prefix_cache(
 ) -> None:
     model = load_model(tiny_model_dir)
     engine.load_weights(model)
-    assert llm.events == ["rpc", "reset"]
+    assert llm.events == ["rpc", "rpc", "reset"]  # probe for reload_weights (absent here), push, reset
     (loaded,) = llm.model.loaded
     state = model.state_dict()
     assert [n for n, _ in loaded] == list(state)
@@ -278,7 +278,12 @@ def test_weight_sync_in_chunks_on_cpu(tiny_model_dir: Path, llm: FakeLLM) -> Non
     )
     eng.load_weights(model)
     assert len(llm.model.loaded) > 2
-    assert llm.events == ["rpc"] * len(llm.model.loaded) + ["reset"]
+    assert llm.events == ["rpc"] * (1 + len(llm.model.loaded)) + ["reset"]
+    for chunk in llm.model.loaded:  # a decoder layer is never split across chunks
+        layers = {n.split(".self_attn")[0].split(".mlp")[0] for n, _ in chunk if ".layers." in n}
+        for other in llm.model.loaded:
+            if other is not chunk:
+                assert not layers & {n.split(".self_attn")[0].split(".mlp")[0] for n, _ in other if ".layers." in n}
     flat = [item for chunk in llm.model.loaded for item in chunk]
     assert [n for n, _ in flat] == list(model.state_dict())
     assert all(t.device.type == "cpu" for _, t in flat)
@@ -357,17 +362,25 @@ def test_make_engine_from_a_trainer_model_builds_on_its_folder_and_pushes_its_we
     eng = make_engine("vllm", model, tok, device="cuda", gpu_memory_utilization=0.3)
     ((folder, kwargs),) = built
     assert Path(folder) == Path(tiny_model_dir)
-    assert kwargs == {"tokenizer": tok, "gpu_memory_utilization": 0.3}
-    assert eng.tokenizer is tok and llm.events == ["rpc", "reset"]
+    assert kwargs == {"tokenizer": tok, "gpu_memory_utilization": 0.3, "dtype": "float32"}
+    assert eng.tokenizer is tok and llm.events == ["rpc", "rpc", "reset"]
     assert [n for n, _ in llm.model.loaded[0]] == list(model.state_dict())
     make_engine("vllm", str(tiny_model_dir), tok, device="cuda")  # a folder goes straight in
     assert built[1] == (str(tiny_model_dir), {"tokenizer": tok})
+    # an unchanged module is not pushed again; a changed one is, before the next generate
+    llm.events.clear()
+    eng.load_weights(model)
+    assert llm.events == []
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=2))
+    assert llm.events == ["rpc", "reset"] and eng.syncs == 2
 
 
 def test_make_engine_vllm_refuses_what_it_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_engine_mod, "_import_vllm", fake_vllm)
-    with pytest.raises(ValueError, match="CUDA GPU, not device=cpu"):
-        make_engine("vllm", "some/folder", None, device="cpu")
+    with pytest.raises(ValueError, match="CUDA or CPU, not device=meta"):
+        make_engine("vllm", "some/folder", None, device="meta")
     with pytest.raises(ValueError, match="no name_or_path"):
         make_engine("vllm", torch.nn.Linear(2, 2), None, device="cuda")
 

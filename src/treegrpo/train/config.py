@@ -119,6 +119,10 @@ class TrainConfig(BaseModel):
     )
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
     engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options of the engine (make_engine): vllm e.g. kv_cache_gb (CPU), gpu_memory_utilization, max_model_len, sleep_level (GPU colocation); hf e.g. max_batch_size.",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
 
     # -- advantage and loss ------------------------------------------------------------------------

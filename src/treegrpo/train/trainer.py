@@ -134,7 +134,7 @@ def train(
     model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
     ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
     par.wrap(model, ref_model, cfg.device)  # DDP, or FSDP2 shards (several processes only)
-    engine = make_engine(cfg.engine, par.rollout_module(model), tok, device=cfg.device)
+    engine = make_engine(cfg.engine, par.rollout_module(model), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
