@@ -73,7 +73,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
     encoded = [encode_demo(encoder, d) for d in demos]
-    runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device), env, tok, parts.agent_cfg)
+    runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device, **cfg.engine_options), env, tok, parts.agent_cfg)
     eval_tasks = parts.eval_tasks[: run.eval_prompts]
     console.print(
         f"[bold]warmup[/] {parts.model_dir} · {len(demos)} demos of {min(run.demos, len(parts.train_tasks))} "
