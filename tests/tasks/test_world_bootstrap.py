@@ -106,7 +106,8 @@ def test_encoded_demo_matches_the_agent_loop(parts):
         if obs is not None:
             (real,) = env.step([demo.task], [step], [True])  # the observation is the env's own
             assert obs == real.observation
-            o = tok.encode(obs, add_special_tokens=False)[: cfg.max_obs_tokens]
+            o = runner.observation_ids(obs)[1]  # kept as the loop keeps it: whole passages, closed tag
+            assert len(o) <= cfg.max_obs_tokens and tok.decode(o).rstrip().endswith("</information>")
             assert enc.ids[pos : pos + len(o)] == o and set(enc.policy_mask[pos : pos + len(o)]) == {0}
             pos += len(o)
     assert pos == len(enc.ids)

@@ -9,7 +9,9 @@ process's (``time.process_time``), after one untimed warm call of each.
 :func:`step_costs` — one ``treegrpo train --steps 1`` (tree (2,2,1), 2 prompts) per mode
 (:data:`MODES`: per path, packed, packed with LoRA), each in a fresh child process whose peak RSS
 is read with ``getrusage(RUSAGE_CHILDREN)`` by a fresh middle process (so the modes do not share a
-maximum); update and rollout seconds come from the run's ``metrics.jsonl``.
+maximum); update and rollout seconds come from the run's ``metrics.jsonl``. A mode's figures are
+kept in its run folder (``cost.json``, with the command) and reused by a later call with the same
+command, so an interrupted benchmark does not measure a finished mode again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from treegrpo.io import atomic_write_json
 from treegrpo.train.config import TrainConfig
 
 Log = Callable[[str], None]
@@ -114,6 +117,11 @@ def step_costs(
             "--set", "tensorboard=false", *MODES[mode],
             *(x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")),
         ]  # fmt: skip
+        done = run_dir / "cost.json"  # a mode measured before with the same command is reused
+        if done.is_file() and (prev := json.loads(done.read_text())).get("command") == cmd[3:]:
+            out[mode] = prev["row"]
+            log(f"  {mode}: reusing {done}")
+            continue
         res = subprocess.run([sys.executable, "-c", _MIDDLE, json.dumps(cmd)], capture_output=True, text=True, check=False)
         got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
         row: dict[str, float] = {"peak_rss_gb": got.get("peak_kb", 0) / 2**20, "wall_s": got.get("wall_s", 0.0)}
@@ -124,5 +132,6 @@ def step_costs(
             if rows and k in rows[-1]:
                 row[k.split("/")[-1]] = rows[-1][k]
         out[mode] = row
+        atomic_write_json(done, {"command": cmd[3:], "row": row})
         log(f"  {mode}: peak {row['peak_rss_gb']:.2f} GB, update {row.get('update_s', float('nan')):.1f} s")
     return out
