@@ -113,14 +113,15 @@ def warmup_stage(spec: RealSpec, work: Path, log: Log) -> dict[str, Any]:
     record_file = out / RECORD_FILE
     if record_file.is_file():
         rec = json.loads(record_file.read_text())
-        if rec.get("sft_config") == asdict(sft) and (rec.get("data"), rec.get("corpus")) == (spec.data, spec.corpus):
+        asked = (asdict(sft), spec.data, spec.corpus, spec.demos, spec.eval_prompts)
+        if (rec.get("sft_config"), rec.get("data"), rec.get("corpus"), rec.get("demos_asked"), rec.get("eval_prompts")) == asked:
             log(f"warm-up: reusing {out}")
             return rec
     return run_warmup(base_config(spec), WarmupRun(out=out, demos=spec.demos, sft=sft, eval_prompts=spec.eval_prompts, seed=spec.seed))
 
 
 def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict[str, Any]:
-    """The paired RL runs from the warm-up folder (each reused when its summary is there)."""
+    """The paired RL runs from the warm-up folder (each reused when it finished with the same settings)."""
     out: dict[str, Any] = {}
     for name, fields in RL_RUNS.items():
         run_dir = work / f"rl_{name}"
@@ -136,7 +137,7 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
             **fields,
         )
         summary = TrainSummary.read(run_dir / "summary.json")
-        if summary is None or summary.steps != spec.rl_steps:
+        if summary is None or not _same_run(run_dir, cfg):
             log(f"RL {name}: {spec.rl_steps} steps × {spec.prompts_per_step} prompts")
             summary = train(cfg, eval_start=warm["eval_after"])
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -156,6 +157,20 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
             "well_formed_per_step": [r.get("rollout/answered_frac") for r in steps],
         }
     return out
+
+
+#: The fields a finished RL run must share with the asked one to be reused.
+_RUN_KEYS = ("model", "data", "corpus", "steps", "prompts_per_step", "lr", "seed", "eval_prompts", *dict.fromkeys(k for f in RL_RUNS.values() for k in f))
+
+
+def _same_run(run_dir: Path, cfg: TrainConfig) -> bool:
+    """Whether the run recorded in ``run_dir/config.json`` is the one ``cfg`` asks for."""
+    try:
+        done = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    want = cfg.model_dump()
+    return all(done.get(k) == want[k] for k in _RUN_KEYS)
 
 
 def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class StepRunner:
         In ``chat`` format the kept text is then wrapped in its own turn (the wrapper's ids come on
         top of ``max_obs_tokens``)."""
         before, after = self.obs_turn
-        chat = bool(before or after)
+        chat = self.cfg.obs_format == "chat"
         text, ids = self._fit_observation(observation.strip() if chat else observation)
         if chat:  # its own message: without the inline format's surrounding blank lines
             enc = self.tokenizer.encode

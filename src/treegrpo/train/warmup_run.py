@@ -93,6 +93,8 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
         "corpus": cfg.corpus,
         "retriever_url": cfg.retriever_url,
         "demos": len(demos),
+        "demos_asked": run.demos,
+        "eval_prompts": len(eval_tasks),
         "mean_tokens": sum(len(e.ids) for e in encoded) / len(encoded),
         "sft_config": asdict(run.sft),
         "sft": sft,
