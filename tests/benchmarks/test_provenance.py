@@ -3,8 +3,10 @@ commit and dirty flag come from git, and a bench writer records them."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
+import platform
 import shlex
 import shutil
 import subprocess
@@ -73,7 +75,11 @@ def test_command_is_shell_quoted_exactly(tmp_path: Path) -> None:
     assert shlex.split(p["command"]) == argv
     assert provenance(["treegrpo", "bench", "budget"])["command"] == "treegrpo bench budget"
     assert provenance()["command"] == shlex.join(invocation())
-    assert set(p) == {"command", "model", "model_hash", "commit", "dirty", "treegrpo"}
+    assert set(p) == {"command", "model", "model_hash", "commit", "dirty", "treegrpo", "versions"}
+    v = p["versions"]
+    assert set(v) == {"python", "torch", "transformers", "tokenizers", "numpy", "bm25s", "peft", "vllm", "trl", "accelerate"}
+    assert v["torch"] == importlib.metadata.version("torch") and v["numpy"] == importlib.metadata.version("numpy")
+    assert v["python"] == platform.python_version()
     assert p["model"] is None and p["model_hash"] is None
     json.dumps(p)
 

@@ -20,8 +20,16 @@ from treegrpo.errors import ConfigError
 from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig
-from treegrpo.train.config import FULL_FT_LR, LORA_LR, TINY_LR, make_config, resolve_model_defaults
-from treegrpo.train.setup import RunParts
+from treegrpo.train.config import (
+    FULL_FT_LR,
+    LORA_LR,
+    REAL_LIMITS,
+    TINY_LIMITS,
+    TINY_LR,
+    make_config,
+    resolve_model_defaults,
+)
+from treegrpo.train.setup import RunParts, agent_config
 from treegrpo.train.trainer import policy_model, reference_policy, train
 from treegrpo.train.update import update
 from treegrpo.tree import Forest, Node, Tree
@@ -53,6 +61,30 @@ def test_auto_defaults_per_model_kind() -> None:
         make_config({"logprob_chunk_tokens": -1})
     with pytest.raises(ConfigError, match="lr"):
         make_config({"lr": "fast"})
+
+
+def test_agent_limits_are_auto_per_model_kind_and_recorded() -> None:
+    assert REAL_LIMITS == {"max_step_tokens": 128, "max_context_tokens": 4096}
+    assert TINY_LIMITS == {"max_step_tokens": 48, "max_context_tokens": 3072}
+    cfg = make_config({})
+    assert cfg.max_step_tokens == cfg.max_context_tokens == "auto"
+    real, tiny = agent_config(cfg, None, None, tiny=False), agent_config(cfg, None, None, tiny=True)
+    assert (real.max_step_tokens, real.max_context_tokens) == (128, 4096)
+    assert (tiny.max_step_tokens, tiny.max_context_tokens) == (48, 3072)
+    assert agent_config(cfg, None, 2048, tiny=False).max_context_tokens == 2048  # the model's positions cap it
+    taught = agent_config(cfg, {"max_step_tokens": 40, "max_context_tokens": 900}, None, tiny=False)
+    assert (taught.max_step_tokens, taught.max_context_tokens) == (40, 900)  # the folder's record wins over auto
+    given = make_config({"max_step_tokens": "64", "max_context_tokens": "auto"})
+    mine = agent_config(given, {"max_step_tokens": 40, "max_context_tokens": 900}, None, tiny=False)
+    assert (mine.max_step_tokens, mine.max_context_tokens) == (64, 900)  # set by the user: wins; explicit auto: not
+    resolved = resolve_model_defaults(cfg, tiny=False, limits={"max_step_tokens": 40, "max_context_tokens": 900})
+    assert (resolved.max_step_tokens, resolved.max_context_tokens) == (40, 900)  # what the run used, in config.json
+    assert {"max_step_tokens", "max_context_tokens"} <= resolved.model_fields_set  # a resume keeps them
+    assert resolve_model_defaults(cfg, tiny=False).max_step_tokens == 128
+    with pytest.raises(ConfigError, match="max_step_tokens"):
+        make_config({"max_step_tokens": 0})
+    with pytest.raises(ConfigError, match="max_context_tokens"):
+        make_config({"max_context_tokens": 8})
 
 
 def test_gradient_checkpointing_needs_a_transformers_model() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from treegrpo.cli import app
@@ -14,8 +15,11 @@ from treegrpo.envs.search import SearchEnv
 from treegrpo.models.loader import load_pretrained
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
+from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.tasks.datafile import search_demos
 from treegrpo.tasks.wikiqa import make_question
+from treegrpo.train.warmup import DemoTooLong, encode_demo
+from treegrpo.train.warmup_run import _encode_within_cap
 
 ARTICLES = [
     ("Mount Kilimanjaro", "Mount Kilimanjaro is a large dormant volcano in Tanzania. It has three cones."),
@@ -53,15 +57,47 @@ def test_warmup_command_writes_a_model_folder(smollm2_2layer_dir: Path, tmp_path
     res = CliRunner().invoke(
         app,
         ["warmup", "--model", str(smollm2_2layer_dir), "--data", str(data), "--corpus", str(corpus), "--out", str(out),
-         "--demos", "4", "--eval-prompts", "1", "--set", "eval_sampled=false", "--set", "max_step_tokens=24",
+         "--demos", "4", "--eval-prompts", "1", "--set", "eval_sampled=false", "--set", "max_step_tokens=48",
          "--set", "max_turns=2"],
     )
     assert res.exit_code == 0, res.output
     record = json.loads((out / "treegrpo_warmup.json").read_text())
     assert record["demos"] >= 3 and record["sft"]["steps"] >= 1
+    assert record["demos_over_step_cap"] == 0 and record["agent"]["max_step_tokens"] == 48
     assert "eval/well_formed_greedy" in record["eval_before"] and "eval/well_formed_greedy" in record["eval_after"]
     m = load_pretrained(out)  # a --model for treegrpo train
     assert m.model.config.num_hidden_layers == 2 and m.tokenizer.chat_template
+
+
+def test_a_demo_step_over_the_loop_cap_is_never_taught(smollm2_2layer_dir: Path) -> None:
+    tok = load_pretrained(smollm2_2layer_dir).tokenizer
+    docs = [Doc(str(i), f"{t}\n{s}") for i, (t, s) in enumerate(ARTICLES)]
+    env = SearchEnv(BM25Retriever(docs), topk=1)
+    tasks = [Task(str(i), make_question(t, s) or "", [t]) for i, (t, s) in enumerate(ARTICLES)]
+    demos = search_demos(tasks, env)
+    longest = max(len(tok.encode(st, add_special_tokens=False)) for d in demos for st, _ in d.steps)
+    fits = StepRunner(None, env, tok, AgentConfig(max_step_tokens=longest))  # type: ignore[arg-type]
+    assert len(_encode_within_cap(fits, demos)[0]) == len(demos)
+    short = StepRunner(None, env, tok, AgentConfig(max_step_tokens=longest - 1))  # type: ignore[arg-type]
+    over = [d for d in demos if any(len(tok.encode(st, add_special_tokens=False)) == longest for st, _ in d.steps)]
+    with pytest.raises(DemoTooLong, match=f"exceeds max_step_tokens={longest - 1}"):
+        encode_demo(short, over[0])
+    encoded, skipped = _encode_within_cap(short, demos)
+    assert skipped == len(over) >= 1 and len(encoded) == len(demos) - len(over)
+    assert all(  # no step of what is taught is longer than the cap
+        run <= longest - 1 for e in encoded for run in _policy_runs(e.policy_mask)
+    )
+
+
+def _policy_runs(mask: list[int]) -> list[int]:
+    runs, n = [], 0
+    for m in [*mask, 0]:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
 
 
 def test_warmup_needs_data(tmp_path: Path) -> None:

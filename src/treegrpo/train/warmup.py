@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.errors import ConfigError
 from treegrpo.rollout.agent import StepRunner
 
 #: The record ``treegrpo warmup`` writes into its output folder (what was done, the agent settings).
@@ -78,13 +79,26 @@ class EncodedDemo:
     policy_mask: list[int]
 
 
+class DemoTooLong(ConfigError):
+    """A demonstration step longer than the agent loop's per-step cap: the loop would cut such a
+    step off as an invalid action, so the warm-up must never teach it."""
+
+
 def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
-    """Token ids and policy mask of ``demo``, built exactly as the agent loop builds a context."""
+    """Token ids and policy mask of ``demo``, built exactly as the agent loop builds a context.
+
+    Raises :class:`DemoTooLong` when a step has more tokens than ``max_step_tokens``."""
     tok = runner.tokenizer
     ids = list(runner.prompt_ids(demo.task))
     mask = [0] * len(ids)
+    cap = runner.cfg.max_step_tokens
     for step, obs in demo.steps:
         s = list(tok.encode(step, add_special_tokens=False))
+        if len(s) > cap:
+            raise DemoTooLong(
+                f"a demonstration step of {len(s)} tokens exceeds max_step_tokens={cap} "
+                f"(the loop would cut it off): {step[:60]!r}...; raise max_step_tokens or shorten the demo"
+            )
         ids += s
         mask += [1] * len(s)
         if obs is not None:

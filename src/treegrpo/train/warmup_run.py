@@ -32,7 +32,14 @@ from treegrpo.tasks.datafile import search_demos
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.evaluate import evaluate
 from treegrpo.train.setup import build_run
-from treegrpo.train.warmup import WARMUP_RECORD, WarmupConfig, encode_demo, supervised_warmup
+from treegrpo.train.warmup import (
+    WARMUP_RECORD,
+    DemoTooLong,
+    EncodedDemo,
+    WarmupConfig,
+    encode_demo,
+    supervised_warmup,
+)
 
 RECORD_FILE = WARMUP_RECORD  # read back by build_run: the agent settings it was taught with
 #: The real-model warm-up recipe: one epoch at lr 1e-4 (full fine-tuning), batches of 4, one demo
@@ -73,11 +80,20 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     if not demos:
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
-    encoded = [encode_demo(encoder, d) for d in demos]
+    encoded, too_long = _encode_within_cap(encoder, demos)
+    if too_long:
+        console.print(
+            f"skipped {too_long} of {len(demos)} demos with a step over max_step_tokens="
+            f"{parts.agent_cfg.max_step_tokens} (the loop would cut it off)"
+        )
+    if not encoded:
+        raise ConfigError(
+            f"every demo has a step over max_step_tokens={parts.agent_cfg.max_step_tokens}; raise it (--set max_step_tokens=N)"
+        )
     runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device, **cfg.engine_options), env, tok, parts.agent_cfg)
     eval_tasks = parts.eval_tasks[: run.eval_prompts]
     console.print(
-        f"[bold]warmup[/] {parts.model_dir} · {len(demos)} demos of {min(run.demos, len(parts.train_tasks))} "
+        f"[bold]warmup[/] {parts.model_dir} · {len(encoded)} demos of {min(run.demos, len(parts.train_tasks))} "
         f"questions · {len(eval_tasks)} held-out"
     )
     before = evaluate(runner, eval_tasks, cfg.eval_sampled)
@@ -92,7 +108,8 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
         "data": cfg.data,
         "corpus": cfg.corpus,
         "retriever_url": cfg.retriever_url,
-        "demos": len(demos),
+        "demos": len(encoded),
+        "demos_over_step_cap": too_long,
         "demos_asked": run.demos,
         "eval_prompts": len(eval_tasks),
         "mean_tokens": sum(len(e.ids) for e in encoded) / len(encoded),
@@ -112,6 +129,18 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     atomic_write_dir(run.out, write)
     console.print(f"saved to {run.out} (a --model for treegrpo train) in {record['wall_s']:.0f}s")
     return record
+
+
+def _encode_within_cap(encoder: StepRunner, demos: list[Any]) -> tuple[list[EncodedDemo], int]:
+    """The demos encoded as the loop holds them, leaving out (and counting) those with a step the
+    loop's ``max_step_tokens`` would cut off."""
+    encoded: list[EncodedDemo] = []
+    for d in demos:
+        try:
+            encoded.append(encode_demo(encoder, d))
+        except DemoTooLong:
+            continue
+    return encoded, len(demos) - len(encoded)
 
 
 def _fmt(ev: dict[str, float]) -> str:

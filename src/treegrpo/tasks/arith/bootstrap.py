@@ -319,7 +319,7 @@ def arith_run_parts(cfg: Any, model_dir: str | Path) -> tuple[ArithEnv, list[Tas
     boot = ArithBootstrapConfig.from_dict(info["config"]) if info.get("task") == "arith" else ArithBootstrapConfig()
     problems = build_problems(boot.problems)
     agent = boot.agent_config(cfg.temperature)
-    explicit = getattr(cfg, "model_fields_set", set())
+    explicit = {k for k in getattr(cfg, "model_fields_set", set()) if getattr(cfg, k) != "auto"}
     agent = replace(
         agent,
         top_p=cfg.top_p,
