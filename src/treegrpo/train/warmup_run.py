@@ -75,6 +75,8 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
     encoded = [encode_demo(encoder, d) for d in demos]
     runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device, **cfg.engine_options), env, tok, parts.agent_cfg)
+    if runner.context_note:  # the engine's max_model_len is below the context budget
+        console.print(runner.context_note)
     eval_tasks = parts.eval_tasks[: run.eval_prompts]
     console.print(
         f"[bold]warmup[/] {parts.model_dir} · {len(demos)} demos of {min(run.demos, len(parts.train_tasks))} "
