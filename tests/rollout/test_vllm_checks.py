@@ -129,8 +129,9 @@ def test_from_pretrained_refuses_a_vllm_without_logprobs_mode(
     monkeypatch.setattr(vllm_engine_mod, "_import_vllm", lambda: new)
     VLLMEngine.from_pretrained(tmp_path, tokenizer=types.SimpleNamespace(eos_token_id=2))
     assert built[0]["logprobs_mode"] == "processed_logprobs"
-    with pytest.raises(ConfigError, match="raw_logprobs"):  # overridden through the LLM keywords
+    with pytest.raises(ConfigError, match="logprobs_mode='raw_logprobs'"):  # asked for in the LLM keywords
         VLLMEngine.from_pretrained(tmp_path, logprobs_mode="raw_logprobs")
+    assert len(built) == 1  # refused before building
 
 
 # ---------------------------------------------------------------------------------- item 7: max_model_len

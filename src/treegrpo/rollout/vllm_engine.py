@@ -143,7 +143,8 @@ class VLLMEngine:
             ``logprobs_mode="processed_logprobs"`` (or anything with the same ``generate`` /
             ``collective_rpc`` / ``reset_prefix_cache`` surface).
         tokenizer: gives the EOS id; defaults to ``llm.get_tokenizer()``.
-        max_model_len: context + step limit; defaults to the engine's ``model_config.max_model_len``.
+        max_model_len: context + step limit; defaults to the engine's ``model_config.max_model_len``
+            (an agent's context budget is capped to it: :func:`~treegrpo.rollout.agent.fit_context_to_engine`).
         cpu_weight_sync: move weights to CPU before pushing them (needed when the workers run in
             other processes); ``False`` passes the trainer's tensors by reference (in-process engine).
         sync_chunk_mb: weights are pushed in chunks of about this many MiB.
@@ -267,7 +268,8 @@ class VLLMEngine:
                 f"vLLM {getattr(vllm, '__version__', '?')} has no logprobs_mode (it returns temperature-1 "
                 "log-probs, not the trainer's): install vLLM >= 0.10.2"
             )
-        kwargs["logprobs_mode"] = LOGPROBS_MODE  # log_softmax(logits / T), the trainer's
+        if llm_kwargs.setdefault("logprobs_mode", LOGPROBS_MODE) != LOGPROBS_MODE:  # log_softmax(logits / T)
+            raise ConfigError(f"logprobs_mode={llm_kwargs['logprobs_mode']!r}: the vllm engine needs {LOGPROBS_MODE!r}")
         kwargs.update(llm_kwargs)
         with scannable_modules():
             llm = vllm.LLM(**kwargs)
