@@ -132,58 +132,6 @@ def test_context_budget_capped_by_max_model_len(agent) -> None:
     assert 1 <= len(g.tokens) <= 12
 
 
-def test_a_ready_llm_without_processed_logprobs_is_refused(agent_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``vllm.LLM`` built the way vLLM defaults (``logprobs_mode="raw_logprobs"``: temperature-1
-    log-probs) and handed to the engine: refused in one line."""
-    import vllm
-
-    from treegrpo.errors import ConfigError
-    from treegrpo.rollout.vllm_weights import serve_folder
-
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    folder, _ = serve_folder(agent_dir)
-    llm = vllm.LLM(
-        model=str(folder), dtype="float32", enable_prefix_caching=True, block_size=32, enforce_eager=True, max_model_len=256
-    )
-    assert llm.llm_engine.model_config.logprobs_mode == "raw_logprobs"
-    with pytest.raises(ConfigError, match="logprobs_mode='raw_logprobs'") as err:
-        make_engine("vllm", llm, load_tokenizer(agent_dir), device="cpu")
-    assert "\n" not in str(err.value)
-    del llm
-
-
-@pytest.fixture(scope="module")
-def two_eos_dir(agent, agent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    """The agent-shaped model saved with a generation config listing two EOS ids: the tokenizer's
-    and a token its greedy continuation of ``contexts(tok)[0]`` reaches (so a step ends there)."""
-    from treegrpo.models.tiny import save_tiny
-
-    model, tok, _ = agent
-    free = make_engine("hf", model, tok).generate([contexts(tok)[0]], SamplingParams(max_new_tokens=24, temperature=0.0))[0]
-    k = max((i for i, t in enumerate(free.tokens[:8]) if t not in free.tokens[:i] and t != tok.eos_token_id), default=0)
-    extra = free.tokens[k]
-    copy = load_model(agent_dir)
-    copy.generation_config.eos_token_id = [tok.eos_token_id, extra]
-    return save_tiny(copy, tok, tmp_path_factory.mktemp("two_eos"), info={"purpose": "tests"}), extra
-
-
-def test_every_eos_id_ends_with_eos_like_hf(two_eos_dir: tuple[Path, int]) -> None:
-    """A model whose generation config has two EOS ids: a step ending on the second one is
-    ``"eos"`` for vLLM (which reports it as a stop_reason) as for the HF engine, with the same ids."""
-    folder, extra = two_eos_dir
-    model, tok = load_model(folder).eval(), load_tokenizer(folder)
-    hf = make_engine("hf", model, tok)
-    engine = make_engine("vllm", str(folder), tok, device="cpu", dtype="float32", **OPTS)  # as the trainer's
-    assert engine.eos_ids == (tok.eos_token_id, extra) == tuple(hf.eos_ids)
-    params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    (got,), (want,) = engine.generate([contexts(tok)[0]], params), hf.generate([contexts(tok)[0]], params)
-    assert got.tokens == want.tokens and got.tokens[-1] == extra
-    assert got.finish_reason == want.finish_reason == "eos"
-    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=TOL, rtol=0)
-    del engine
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_weight_sync_after_an_optimizer_step(agent, agent_dir: Path, lora: bool) -> None:
     """A real AdamW step on the trainer's model (LoRA: only the adapter, pushed merged); the
@@ -264,6 +212,65 @@ def test_train_two_steps_with_vllm(agent_dir: Path, tmp_path: Path) -> None:
     assert rows[2]["eval/success_greedy"] >= 0.0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["engine"] == "vllm"
     assert (tmp_path / "run" / "checkpoint" / MARKER_FILE).exists()
+
+
+# ---------------------------------------------------------------------------- their own vLLM
+# Tests that build another in-process vLLM come after every use of the shared ``agent`` engine:
+# starting or dropping one resets vLLM's process-global parallel state under the others.
+
+
+def test_a_ready_llm_without_processed_logprobs_is_refused(agent_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``vllm.LLM`` built the way vLLM defaults (``logprobs_mode="raw_logprobs"``: temperature-1
+    log-probs) and handed to the engine: refused in one line."""
+    import vllm
+
+    from treegrpo.errors import ConfigError
+    from treegrpo.rollout.vllm_weights import scannable_modules, serve_folder
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    folder, _ = serve_folder(agent_dir)
+    with scannable_modules():  # the start-up workaround VLLMEngine.from_pretrained uses too
+        llm = vllm.LLM(
+            model=str(folder), dtype="float32", enable_prefix_caching=True, block_size=32, enforce_eager=True,
+            max_model_len=256,
+        )  # fmt: skip
+    assert llm.llm_engine.model_config.logprobs_mode == "raw_logprobs"
+    with pytest.raises(ConfigError, match="logprobs_mode='raw_logprobs'") as err:
+        make_engine("vllm", llm, load_tokenizer(agent_dir), device="cpu")
+    assert "\n" not in str(err.value)
+    del llm
+
+
+@pytest.fixture(scope="module")
+def two_eos_dir(agent, agent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The agent-shaped model saved with a generation config listing two EOS ids: the tokenizer's
+    and a token its greedy continuation of ``contexts(tok)[0]`` reaches (so a step ends there)."""
+    from treegrpo.models.tiny import save_tiny
+
+    model, tok, _ = agent
+    free = make_engine("hf", model, tok).generate([contexts(tok)[0]], SamplingParams(max_new_tokens=24, temperature=0.0))[0]
+    k = max((i for i, t in enumerate(free.tokens[:8]) if t not in free.tokens[:i] and t != tok.eos_token_id), default=0)
+    extra = free.tokens[k]
+    copy = load_model(agent_dir)
+    copy.generation_config.eos_token_id = [tok.eos_token_id, extra]
+    return save_tiny(copy, tok, tmp_path_factory.mktemp("two_eos"), info={"purpose": "tests"}), extra
+
+
+def test_every_eos_id_ends_with_eos_like_hf(two_eos_dir: tuple[Path, int]) -> None:
+    """A model whose generation config has two EOS ids: a step ending on the second one is
+    ``"eos"`` for vLLM (which reports it as a stop_reason) as for the HF engine, with the same ids."""
+    folder, extra = two_eos_dir
+    model, tok = load_model(folder).eval(), load_tokenizer(folder)
+    hf = make_engine("hf", model, tok)
+    engine = make_engine("vllm", str(folder), tok, device="cpu", dtype="float32", **OPTS)  # as the trainer's
+    assert engine.eos_ids == (tok.eos_token_id, extra) == tuple(hf.eos_ids)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    (got,), (want,) = engine.generate([contexts(tok)[0]], params), hf.generate([contexts(tok)[0]], params)
+    assert got.tokens == want.tokens and got.tokens[-1] == extra
+    assert got.finish_reason == want.finish_reason == "eos"
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=TOL, rtol=0)
+    del engine
 
 
 # ---------------------------------------------------------------------------- SmolLM2, 2 layers
