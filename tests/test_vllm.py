@@ -7,8 +7,10 @@ process-global state: torch's threads, the global RNG, NUMA memory binding)::
 
 Without vLLM, or without ``TREEGRPO_VLLM_TESTS=1`` (the main suite), they are skipped. Models: a
 random tiny Qwen2 of the tiny agents' shape (hidden 96, 4 heads of 24: served through the padded
-layout of :mod:`treegrpo.rollout.vllm_weights`) and SmolLM2-135M cut to 2 layers (a real BPE
-tokenizer; heads of 64). One vLLM engine per model for the whole module (~10 s to start each).
+layout of :mod:`treegrpo.rollout.vllm_weights`), a copy of it whose generation config lists two EOS
+ids, and SmolLM2-135M cut to 2 layers (a real BPE tokenizer; heads of 64). One vLLM engine per
+model for the whole module (~10 s to start each; the two-EOS copy and a ready ``vllm.LLM`` with
+vLLM's default log-probs get their own, for one test each).
 """
 
 from __future__ import annotations
@@ -111,6 +113,25 @@ def test_prefix_cache_hits_are_counted(agent) -> None:
     assert second.prefill_tokens == len(ctx) + len(first.tokens) - cached
 
 
+def test_context_budget_capped_by_max_model_len(agent) -> None:
+    """vLLM's max_model_len (512 here) below the agent's context budget: the runner caps the budget
+    at start-up, and a step from a context at the cap is accepted by vLLM (no mid-rollout error)."""
+    from treegrpo.envs.search import SearchEnv
+    from treegrpo.retrieval.base import Doc
+    from treegrpo.retrieval.bm25 import BM25Retriever
+    from treegrpo.rollout.agent import AgentConfig, StepRunner
+
+    _, tok, engine = agent
+    env = SearchEnv(BM25Retriever([Doc("0", "city1\ncity1 is in country1.")]), topk=1, prompt_template="minimal")
+    runner = StepRunner(engine, env, tok, AgentConfig(max_step_tokens=12, max_context_tokens=3072))
+    assert engine.max_model_len == 512 and runner.cfg.max_context_tokens == 512
+    assert runner.context_note is not None and "max_model_len=512" in runner.context_note
+    ctx = (tok.encode("city1 is in country1. ") * 200)[:500]
+    assert len(ctx) == 500 and runner.has_room(ctx) and not runner.has_room([*ctx, ctx[0]])
+    (g,) = engine.generate([ctx], runner.params)
+    assert 1 <= len(g.tokens) <= 12
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_weight_sync_after_an_optimizer_step(agent, agent_dir: Path, lora: bool) -> None:
     """A real AdamW step on the trainer's model (LoRA: only the adapter, pushed merged); the
@@ -124,9 +145,11 @@ def test_weight_sync_after_an_optimizer_step(agent, agent_dir: Path, lora: bool)
         model = apply_lora(model, rank=4, alpha=8.0, seed=0)
     served = sampling_module(model)
     engine.load_weights(served)
-    ctx = contexts(tok)[0]
+    ctx = (tok.encode("where is city3? <search> city1 is in country1. ") * 12)[:100]  # 3 whole 32-token blocks
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     (before,) = engine.generate([ctx], params)
+    (hit,) = engine.generate([ctx], params)  # the same weights: served from the prefix cache
+    assert hit.extra["cached_tokens"] == 96 and hit.tokens == before.tokens
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
     loss = -teacher_forced_grad(served, ctx, before.tokens).sum()
     loss.backward()
@@ -139,7 +162,8 @@ def test_weight_sync_after_an_optimizer_step(agent, agent_dir: Path, lora: bool)
     torch.testing.assert_close(torch.tensor(after.logprobs), trainer, atol=TOL, rtol=0)
     old = teacher_forced(served, ctx, before.tokens)
     assert (old - torch.tensor(before.logprobs)).abs().max() > 1e-3  # the step changed the policy
-    assert after.prefill_tokens == len(ctx)  # the prefix cache was dropped with the old weights
+    # the prefix cache was dropped with the old weights: the same context hits nothing
+    assert after.extra["cached_tokens"] == 0 and after.prefill_tokens == len(ctx)
 
 
 def teacher_forced_grad(model: torch.nn.Module, ctx: list[int], gen: list[int]) -> torch.Tensor:
@@ -188,6 +212,65 @@ def test_train_two_steps_with_vllm(agent_dir: Path, tmp_path: Path) -> None:
     assert rows[2]["eval/success_greedy"] >= 0.0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["engine"] == "vllm"
     assert (tmp_path / "run" / "checkpoint" / MARKER_FILE).exists()
+
+
+# ---------------------------------------------------------------------------- their own vLLM
+# Tests that build another in-process vLLM come after every use of the shared ``agent`` engine:
+# starting or dropping one resets vLLM's process-global parallel state under the others.
+
+
+def test_a_ready_llm_without_processed_logprobs_is_refused(agent_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``vllm.LLM`` built the way vLLM defaults (``logprobs_mode="raw_logprobs"``: temperature-1
+    log-probs) and handed to the engine: refused in one line."""
+    import vllm
+
+    from treegrpo.errors import ConfigError
+    from treegrpo.rollout.vllm_weights import scannable_modules, serve_folder
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    folder, _ = serve_folder(agent_dir)
+    with scannable_modules():  # the start-up workaround VLLMEngine.from_pretrained uses too
+        llm = vllm.LLM(
+            model=str(folder), dtype="float32", enable_prefix_caching=True, block_size=32, enforce_eager=True,
+            max_model_len=256,
+        )  # fmt: skip
+    assert llm.llm_engine.model_config.logprobs_mode == "raw_logprobs"
+    with pytest.raises(ConfigError, match="logprobs_mode='raw_logprobs'") as err:
+        make_engine("vllm", llm, load_tokenizer(agent_dir), device="cpu")
+    assert "\n" not in str(err.value)
+    del llm
+
+
+@pytest.fixture(scope="module")
+def two_eos_dir(agent, agent_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The agent-shaped model saved with a generation config listing two EOS ids: the tokenizer's
+    and a token its greedy continuation of ``contexts(tok)[0]`` reaches (so a step ends there)."""
+    from treegrpo.models.tiny import save_tiny
+
+    model, tok, _ = agent
+    free = make_engine("hf", model, tok).generate([contexts(tok)[0]], SamplingParams(max_new_tokens=24, temperature=0.0))[0]
+    k = max((i for i, t in enumerate(free.tokens[:8]) if t not in free.tokens[:i] and t != tok.eos_token_id), default=0)
+    extra = free.tokens[k]
+    copy = load_model(agent_dir)
+    copy.generation_config.eos_token_id = [tok.eos_token_id, extra]
+    return save_tiny(copy, tok, tmp_path_factory.mktemp("two_eos"), info={"purpose": "tests"}), extra
+
+
+def test_every_eos_id_ends_with_eos_like_hf(two_eos_dir: tuple[Path, int]) -> None:
+    """A model whose generation config has two EOS ids: a step ending on the second one is
+    ``"eos"`` for vLLM (which reports it as a stop_reason) as for the HF engine, with the same ids."""
+    folder, extra = two_eos_dir
+    model, tok = load_model(folder).eval(), load_tokenizer(folder)
+    hf = make_engine("hf", model, tok)
+    engine = make_engine("vllm", str(folder), tok, device="cpu", dtype="float32", **OPTS)  # as the trainer's
+    assert engine.eos_ids == (tok.eos_token_id, extra) == tuple(hf.eos_ids)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    (got,), (want,) = engine.generate([contexts(tok)[0]], params), hf.generate([contexts(tok)[0]], params)
+    assert got.tokens == want.tokens and got.tokens[-1] == extra
+    assert got.finish_reason == want.finish_reason == "eos"
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=TOL, rtol=0)
+    del engine
 
 
 # ---------------------------------------------------------------------------- SmolLM2, 2 layers

@@ -121,7 +121,10 @@ def test_vllm_requests_carry_the_tag_as_id_and_string(tok) -> None:
     fake = types.ModuleType("fake_vllm")
     fake.SamplingParams = lambda **kw: sent.update(kw) or kw
     fake.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    engine = VLLMEngine(types.SimpleNamespace(), tok, vllm_module=fake, max_model_len=512)
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace(logprobs_mode="processed_logprobs"))
+    )
+    engine = VLLMEngine(llm, tok, vllm_module=fake, max_model_len=512)
     runner = runner_for(engine, tok)
     engine.sampling_params(runner.params)
     assert tok.convert_tokens_to_ids("</search>") in sent["stop_token_ids"]

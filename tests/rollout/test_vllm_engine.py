@@ -4,7 +4,6 @@ interface (CPU), plus an end-to-end check on a real GPU with vLLM (marked ``gpu`
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,114 +14,7 @@ import treegrpo.rollout.vllm_engine as vllm_engine_mod
 from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.rollout.engine import Engine, SamplingParams, make_engine
 from treegrpo.rollout.vllm_engine import INSTALL_HINT, VLLMEngine, vllm_available
-
-# ---------------------------------------------------------------------------------- stand-ins
-
-
-class FakeSamplingParams:
-    """Records the keyword arguments vLLM's ``SamplingParams`` would get."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.kwargs[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-def fake_vllm() -> types.ModuleType:
-    mod = types.ModuleType("fake_vllm")
-    mod.SamplingParams = FakeSamplingParams
-    mod.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    return mod
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass
-class CompletionOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    index: int = 0
-    text: str = ""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int | None = None
-    finished: bool = True
-
-
-def completion(tokens: list[int], finish: str, stop_reason=None, lp: float = -0.25) -> CompletionOutput:
-    # like vLLM with logprobs=0: one dict per position holding (at least) the sampled token
-    return CompletionOutput(
-        tokens, [{t: Logprob(lp * (i + 1), 1)} for i, t in enumerate(tokens)], finish, stop_reason
-    )
-
-
-class FakeModel:
-    """A worker's model: records what ``load_weights`` receives (vLLM's signature)."""
-
-    def __init__(self) -> None:
-        self.loaded: list[list[tuple[str, torch.Tensor]]] = []
-
-    def load_weights(self, weights):
-        batch = list(weights)
-        self.loaded.append(batch)
-        return {n for n, _ in batch}
-
-
-@dataclass
-class FakeLLM:
-    """The slice of ``vllm.LLM`` the engine uses, answering with a scripted policy."""
-
-    stop_id: int = 7
-    eos_id: int = 2
-    max_model_len: int = 64
-    model: FakeModel = field(default_factory=FakeModel)
-    calls: list[tuple[list[Any], list[Any]]] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.llm_engine = types.SimpleNamespace(
-            model_config=types.SimpleNamespace(max_model_len=self.max_model_len)
-        )
-        self.worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=self.model))
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
-        assert use_tqdm is False
-        self.calls.append((prompts, sampling_params))
-        outs = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
-            ids = p["prompt_token_ids"]
-            if ids[-1] % 3 == 0:  # ends with the stop id
-                comp = completion([11, 12, self.stop_id], "stop", self.stop_id)
-            elif ids[-1] % 3 == 1:  # ends with EOS
-                comp = completion([13, self.eos_id], "stop", None)
-            else:  # runs to the cap
-                comp = completion(list(range(20, 20 + sp.max_tokens)), "length")
-            outs.append(RequestOutput(str(i), ids, [comp], num_cached_tokens=(len(ids) // 16) * 16))
-        return outs
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.events.append("rpc")
-        return [method(self.worker, *args, **(kwargs or {}))]
-
-    def reset_prefix_cache(self) -> bool:
-        self.events.append("reset")
-        return True
+from vllm_fakes import CompletionOutput, FakeLLM, FakeModel, Logprob, RequestOutput, completion, fake_vllm
 
 
 @pytest.fixture()
@@ -321,7 +213,7 @@ def test_weight_sync_without_collective_rpc(tiny_model_dir: Path) -> None:
 
     class V0LLM:
         llm_engine = types.SimpleNamespace(
-            model_config=types.SimpleNamespace(max_model_len=32),
+            model_config=types.SimpleNamespace(max_model_len=32, logprobs_mode="processed_logprobs"),
             model_executor=types.SimpleNamespace(
                 driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_v0))
             ),

