@@ -150,7 +150,8 @@ def serve_retriever_cmd(
     topk: int = typer.Option(3, "--topk", help="Passages per query when a request gives no topk (Search-R1's default: 3)."),
     max_topk: int = typer.Option(100, "--max-topk", help="Larger topk requests are capped to this."),
     fusion: str = typer.Option("convex", "--fusion", help="hybrid: convex (normalised score fusion, alpha 0.5) | rrf."),
-    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; larger ones get 413 unread."),
+    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; larger ones get 413."),
+    max_drain_bytes: int = typer.Option(64 * 2**20, "--max-drain-bytes", help="A body over --max-body-bytes up to this size is read and discarded before its 413 (so clients that send all first see it); larger: 413 unread, connection closed."),
     max_queries: int = typer.Option(4096, "--max-queries", help="Queries per request (more: 413)."),
     max_query_chars: int = typer.Option(4096, "--max-query-chars", help="Characters per query (more: 413)."),
     max_request_tokens: int = typer.Option(100_000, "--max-request-tokens", help="Whitespace-separated words over a request's queries (more: 413)."),
@@ -178,6 +179,7 @@ def serve_retriever_cmd(
         limits = Limits(
             max_body_bytes=max_body_bytes, max_queries=max_queries, max_query_chars=max_query_chars,
             max_request_tokens=max_request_tokens, max_pending_queries=max_pending_queries,
+            max_drain_bytes=max_drain_bytes,
         )  # fmt: skip
     except ValueError as e:  # name the flags, not the fields
         msg = str(e)

@@ -56,7 +56,11 @@ class Slow:
 
 @pytest.fixture(scope="module")
 def limited(bm25: BM25Retriever) -> Iterator[ServerThread]:
-    app = make_app(bm25, max_queries=20, max_body_bytes=2000, max_query_chars=50, max_request_tokens=30)
+    # drain bound just over the body cap: the bodies these tests send are refused unread
+    # (test_oversized_body.py tests the draining)
+    app = make_app(
+        bm25, max_queries=20, max_body_bytes=2000, max_drain_bytes=2500, max_query_chars=50, max_request_tokens=30
+    )
     with ServerThread(app) as srv:
         yield srv
 

@@ -1,29 +1,36 @@
 """The state protocol (treegrpo.envs.state, treegrpo.rollout.state) on the key-value world:
 branches see exactly their start node's state, siblings never see each other's writes, snapshot /
-fork / replay grow identical trees, replayed tool calls are booked apart, nothing leaks, and a
-stateless env takes exactly the old path."""
+fork / replay grow identical trees, replayed tool calls are booked apart, nothing leaks, a replay
+that gives another action kind, end or observation is an error, and a stateless env takes
+exactly the old path."""
 
 from __future__ import annotations
+
+import dataclasses
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treegrpo.benchmarks.stateful_exact import check_exactness, grow, signature
+from treegrpo.benchmarks.stateful_exact import (
+    ByteTokenizer,
+    RandomActionEngine,
+    agent_config,
+    chain_of,
+    check_exactness,
+    grow,
+    signature,
+)
 from treegrpo.envs.base import Task
 from treegrpo.envs.state import ReplayDivergence, state_mode
+from treegrpo.rollout.agent import StepRunner
+from treegrpo.rollout.sampling import SamplerConfig
 from treegrpo.rollout.state import StateKeeper
+from treegrpo.rollout.trees import sample_trees
 from treegrpo.tasks.kv.env import KVEnv, KVState, kv_tasks, random_kv_action
-from treegrpo.tree import Node, Tree
 
 TASKS = kv_tasks(40, seed=1)
-
-
-def _chain(texts: list[str]) -> Tree:
-    tree = Tree([Node(0, None, text="", tokens=[], policy_mask=[])])
-    for i, t in enumerate(texts):
-        tree.add(Node(i + 1, i, text=t, tokens=[], policy_mask=[], extra={"kind": "kv"}))
-    return tree
 
 
 @pytest.mark.parametrize("mode", ["snapshot", "fork", "replay"])
@@ -31,7 +38,7 @@ def test_siblings_never_see_each_others_writes(mode: str) -> None:
     env = KVEnv(mode)
     task = Task("t", "q", ["0"], meta={"start": {"a": 1}, "expected": {"a": 1}})
     keeper = StateKeeper(env, mode)  # type: ignore[arg-type]
-    tree = _chain(["<kv>set a 5</kv>"])
+    tree = chain_of(KVEnv(mode), task, ["<kv>set a 5</kv>"])
     s0 = env.initial_state(task)
     env.step([task], ["<kv>set a 5</kv>"], [True], states=[s0])
     keeper.record(tree, 1, s0)
@@ -56,8 +63,8 @@ def test_replay_counts_replayed_tool_calls_and_restore_does_not() -> None:
     for mode, expected in (("replay", 3), ("snapshot", 0)):
         env = KVEnv(mode)
         keeper = StateKeeper(env, mode)  # type: ignore[arg-type]
-        tree = _chain(texts)
-        tree.node(3).extra["kind"] = "invalid"
+        tree = chain_of(KVEnv(mode), task, texts)
+        assert tree.node(3).extra["kind"] == "invalid"
         live = env.initial_state(task)
         for i, t in enumerate(texts):
             env.step([task], [t], [True], states=[live])
@@ -87,10 +94,51 @@ def test_divergent_replay_is_an_error() -> None:
 
     env = Flaky("replay")
     keeper = StateKeeper(env, "replay")
-    tree = _chain(["<kv>set a 1</kv>"])
+    tree = chain_of(KVEnv("replay"), TASKS[0], ["<kv>set a 1</kv>"])
     env.step([TASKS[0]], ["<kv>set a 1</kv>"], [True], states=[env.initial_state(TASKS[0])])
     with pytest.raises(ReplayDivergence, match="deterministic"):
         keeper.state_at(tree, 1, TASKS[0])
+
+
+class Ticking(KVEnv):
+    """A tool that is not deterministic: the same action, the same kind and end, but every answer
+    carries the number of calls made so far."""
+
+    def step(self, tasks, steps, search_allowed, states=None):  # type: ignore[no-untyped-def]
+        outs = super().step(tasks, steps, search_allowed, states)
+        self.ticks = getattr(self, "ticks", 0) + 1
+        return [o if o.done else dataclasses.replace(o, observation=f"{o.observation} t{self.ticks}") for o in outs]
+
+
+def test_a_replayed_observation_that_differs_is_an_error() -> None:
+    env = Ticking("replay")
+    tree = chain_of(env, TASKS[0], ["<kv>set a 1</kv>", "<kv>get a</kv>"])
+    assert tree.node(2).observation == "<result>1</result> t2"
+    with pytest.raises(ReplayDivergence, match=r"observation '<result>1</result> t1', replayed '<result>1</result> t3'"):
+        StateKeeper(env, "replay").state_at(tree, 2, TASKS[0])
+    assert env.open_states == 0  # the half-replayed state was handed back
+
+
+def test_the_sampler_refuses_a_nondeterministic_tool_in_replay_mode() -> None:
+    """Through the real loop: the kinds and ends replay alike, only the observations differ."""
+    with pytest.raises(ReplayDivergence, match="observation"):
+        grow(Ticking("replay"), TASKS[:4], random_kv_action, (2, 2, 2), 3, 4)
+    grow(Ticking("snapshot"), TASKS[:4], random_kv_action, (2, 2, 2), 3, 4)  # restores, never replays: fine
+
+
+def test_replay_compares_the_observation_as_the_node_keeps_it() -> None:
+    """Observations the loop cuts (``max_obs_tokens``) replay as the same cut text: no divergence,
+    and replay grows the trees snapshot grows."""
+    cfg = dataclasses.replace(agent_config(4), max_obs_tokens=6)  # bytes here: every "<result>…</result>" is cut
+
+    def trees(mode: str) -> list[list[tuple[object, ...]]]:
+        runner = StepRunner(RandomActionEngine(ByteTokenizer(), random_kv_action, 7), KVEnv(mode), ByteTokenizer(), cfg)
+        res = sample_trees(runner, TASKS[:6], SamplerConfig("tree", m=2, n=2, l=2, expand_mode="random"), random.Random(7), None)
+        return [signature(t) for f in res.forests for t in f.trees]
+
+    snap, rep = trees("snapshot"), trees("replay")
+    assert any(obs is not None and len(obs) == 6 for sig in snap for (_, _, _, obs, _, _) in sig)
+    assert rep == snap
 
 
 def test_state_mode_is_checked() -> None:

@@ -45,6 +45,7 @@ def page(browser: Any) -> Iterator[Any]:
     pg = browser.new_page(viewport={"width": 1400, "height": 760})
     pg.errors = []  # type: ignore[attr-defined]
     pg.on("pageerror", lambda e: pg.errors.append(str(e)))  # type: ignore[attr-defined]
+    pg.on("console", lambda m: m.type == "error" and pg.errors.append(m.text))  # type: ignore[attr-defined]
     yield pg
     pg.close()
 
@@ -104,6 +105,25 @@ def test_model_output_is_text_not_html(page: Any, tmp_path: Path) -> None:
     node(page, 0, 0).click()  # the prompt's <b>X</b> is shown as text too
     assert page.inner_text("#node-text") == "Question: who wrote <b>X</b>?"
     assert page.errors == []
+
+
+def test_csp_blocks_an_inline_script_that_is_not_the_viewers(page: Any, tmp_path: Path) -> None:
+    """The page's policy names the viewer's script by its hash: the viewer runs (and no CSP error
+    is logged), a script added to the page does not (with 'unsafe-inline' it ran)."""
+    src = tmp_path / "known.jsonl"
+    write_forests([known_forest()], src)
+    html, _ = write_view(src)
+    open_view(page, html)
+    assert page.errors == []  # a blocked viewer script or style would be a console error
+    assert page.evaluate("getComputedStyle(document.getElementById('app')).display") != "inline"  # styled
+    tampered = tmp_path / "tampered.html"
+    tampered.write_text(
+        html.read_text(encoding="utf-8").replace("</body>", "<script>window.__injected = 1</script></body>"),
+        encoding="utf-8",
+    )
+    open_view(page, tampered)
+    assert page.evaluate("window.__injected") is None
+    assert any("Content Security Policy" in e for e in page.errors)
 
 
 def test_thousand_forests_open_under_two_seconds(page: Any, tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -14,6 +16,7 @@ from treegrpo.cli import app
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.eptree import ForkPoint, apply_forks
 from treegrpo.tree import Forest, Node, Tree, write_forests
+from treegrpo.viz import page as page_module
 from treegrpo.viz.data import forest_budget, forest_doc, load_view
 from treegrpo.viz.page import build_html, embed_json, write_view
 
@@ -114,6 +117,41 @@ def test_page_is_self_contained_and_escapes_text(tmp_path: Path) -> None:
     assert "window.__pwned" in html and EVIL not in html
     n_scripts = html.count("<script")
     assert n_scripts == html.count("</script>") == 3  # index, one forest, the viewer
+
+
+def _policy(html: str) -> dict[str, list[str]]:
+    (content,) = re.findall(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', html)
+    directives = [d.split() for d in content.split(";") if d.strip()]
+    return {d[0]: d[1:] for d in directives}
+
+
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def test_csp_runs_only_the_viewers_own_script_and_style(tmp_path: Path) -> None:
+    """No 'unsafe-inline': the one executable inline script and the one style element are allowed
+    by their SHA-256 hashes, and the hashes are of exactly the texts in the page."""
+    html = build_html(load_view(_known_file(tmp_path)))
+    policy = _policy(html)
+    assert policy["default-src"] == ["'none'"] and policy["img-src"] == ["data:"]
+    assert all("'unsafe-inline'" not in srcs and "'unsafe-eval'" not in srcs for srcs in policy.values())
+    scripts = re.findall(r"<script>(.*?)</script>", html, re.DOTALL)  # executable: no type attribute
+    styles = re.findall(r"<style>(.*?)</style>", html, re.DOTALL)
+    assert len(scripts) == 1 and len(styles) == 1 and "treegrpoView" in scripts[0]
+    assert policy["script-src"] == [_sha256(scripts[0])]
+    assert policy["style-src"] == [_sha256(styles[0])]
+    assert "\r" not in html  # the browser hashes the text as parsed: CR LF would be LF there
+
+
+def test_csp_hash_is_of_the_text_as_the_browser_parses_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An asset checked out with CR LF line ends: the page holds (and hashes) LF text."""
+    real = page_module._asset
+    monkeypatch.setattr(page_module, "_asset", lambda name: real(name).replace("\n", "\r\n"))
+    html = build_html(load_view(_known_file(tmp_path)))
+    (script,) = re.findall(r"<script>(.*?)</script>", html, re.DOTALL)
+    assert "\r" not in html and _policy(html)["script-src"] == [_sha256(script)]
+    assert script == real("viewer.js")
 
 
 def _known_file(tmp_path: Path) -> Path:

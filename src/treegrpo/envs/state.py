@@ -17,8 +17,8 @@ the loop gives it exactly the state the world had at that node (:mod:`treegrpo.r
   replays the recorded step texts of the path root → node through :meth:`StatefulEnv.step`. The env
   must be deterministic (same actions from the same start, same observations); the tool calls a
   replay makes are booked apart, in ``Budget.replayed_tool_calls``. A replayed step that ends the
-  trajectory or takes another kind of action than it did when recorded raises
-  :class:`ReplayDivergence`.
+  trajectory, takes another kind of action than it did when recorded or gets another observation
+  (compared as the node keeps it) raises :class:`ReplayDivergence`.
 - ``"stateless"`` (the default when an env has no ``state_mode``): no handle; nothing changes.
 
 Every handle the loop obtains (``initial_state``, ``restore``, ``fork``, ``snapshot``) is handed

@@ -31,6 +31,10 @@ class Limits:
     Attributes:
         max_body_bytes: request body size; checked against ``Content-Length`` before reading and
             counted while the body streams in (a larger body is never read into memory).
+        max_drain_bytes: a body over ``max_body_bytes`` but not over this is read to its end and
+            discarded before the 413, so a client that sends all before it reads sees the 413; a
+            larger one gets the 413 at once and the connection is closed (such a client may see a
+            reset). At or below ``max_body_bytes``: never drained.
         max_queries: queries per request.
         max_query_chars: characters per query.
         max_request_tokens: whitespace-separated words over all queries of a request.
@@ -41,6 +45,7 @@ class Limits:
     """
 
     max_body_bytes: int = 8 * 2**20
+    max_drain_bytes: int = 64 * 2**20
     max_queries: int = 4096
     max_query_chars: int = 4096
     max_request_tokens: int = 100_000

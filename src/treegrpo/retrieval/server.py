@@ -12,8 +12,10 @@ Beyond Search-R1: ``GET /`` (and ``/health``) reports the retriever, corpus size
 counters. Every error answer is ``{"error": "<one line>"}`` (validation errors add ``"detail"``):
 empty body or invalid JSON → 400; unknown path → 404; wrong method → 405; missing, mistyped or
 negative fields → 422; a request over a :class:`Limits` cap → 413 naming the cap and its
-``serve-retriever`` flag; the work queue full → 503 (with ``Retry-After``), as is every request
-still waiting when the server shuts down. The body is read as JSON whatever the content type; a
+``serve-retriever`` flag (an oversized body up to ``max_drain_bytes`` is read and discarded
+first, so a client that sends all of it before reading sees the 413, not a reset: :func:`read_body`);
+the work queue full → 503 (with ``Retry-After``), as is every request still waiting when the
+server shuts down. The body is read as JSON whatever the content type; a
 ``topk`` above ``max_topk`` (or the corpus size) is capped, and the answer's ``x-treegrpo-topk``
 header says what was used.
 
@@ -112,29 +114,44 @@ def parse_request(raw: bytes) -> RetrieveRequest | JSONResponse:
         return _error(422, _validation_message(errors), detail=[{k: err.get(k) for k in ("loc", "msg", "type")} for err in errors])
 
 
-def _too_large(size: str, limit: int) -> JSONResponse:
+def _too_large(size: str, limit: int, close: bool = False) -> JSONResponse:
     return _error(
         413,
         f"request body is {size} > {limit} bytes; split the batch (or raise the server's --max-body-bytes)",
+        headers={"connection": "close"} if close else None,
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes | JSONResponse:
-    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes: from
-    ``Content-Length`` before anything is read, else counted while it streams in."""
+async def read_body(request: Request, limit: int, drain: int = 0) -> bytes | JSONResponse:
+    """The request body, or a 413 when it exceeds ``limit`` bytes.
+
+    A body over ``limit`` but of at most ``drain`` bytes is read to its end and thrown away before
+    the 413 goes out: a client that sends the whole body before it reads the answer (``urllib``;
+    ``requests`` with urllib3 1.x, as Search-R1 has) then reads the 413 and its message, where an
+    answer sent early, then the close, would reach it as "connection reset" or "broken pipe". A
+    body known to exceed ``drain`` (from ``Content-Length`` before anything is read, else counted
+    while it streams in) gets the 413 at once, and the connection is closed: nothing more of it
+    is read."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
             size = int(declared)
         except ValueError:
             return _error(400, f"bad Content-Length header {declared[:40]!r}")
-        if size > limit:
-            return _too_large(f"{size} bytes", limit)
+        if size > max(limit, drain):
+            return _too_large(f"{size} bytes", limit, close=True)
     buf = bytearray()
+    seen = 0
     async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            return _too_large(f"over {limit} bytes (so far {len(buf)})", limit)
+        seen += len(chunk)
+        if seen <= limit:
+            buf += chunk
+        elif seen > drain:
+            return _too_large(f"over {limit} bytes (so far {seen})", limit, close=True)
+        elif buf:
+            buf = bytearray()  # over the limit: what comes now is only counted
+    if seen > limit:
+        return _too_large(f"{seen} bytes", limit)
     return bytes(buf)
 
 
@@ -236,7 +253,7 @@ def make_app(
     @app.post("/retrieve")
     async def retrieve(http_request: Request) -> JSONResponse:
         """Search-R1's endpoint (see the module docstring)."""
-        body = await read_body(http_request, limits.max_body_bytes)
+        body = await read_body(http_request, limits.max_body_bytes, limits.max_drain_bytes)
         request = parse_request(body) if isinstance(body, bytes) else body
         if isinstance(request, JSONResponse):
             stats.rejected += 1

@@ -270,7 +270,7 @@ class StepRunner:
         returns join the batch from the next turn on (a sampler starts a prompt's expansions as
         soon as that prompt's own trajectories are done, without waiting for the other prompts).
         """
-        keeper = StateKeeper.for_env(self.env)
+        keeper = StateKeeper.for_env(self.env, kept_observation=lambda obs: self.observation_ids(obs)[0])
         try:
             return self._run_turns(cursors, budgets, generator, params or self.params, on_end, keeper)
         finally:

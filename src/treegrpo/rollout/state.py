@@ -13,6 +13,7 @@ ends (:meth:`StateKeeper.release`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,19 +22,29 @@ from treegrpo.envs.state import ReplayDivergence, StateMode, state_mode
 from treegrpo.tree import Tree
 
 
+def _short(text: str | None) -> str:
+    return repr(text) if text is None or len(text) <= 80 else repr(text[:77] + "...")
+
+
 @dataclass
 class StateKeeper:
-    """Per-node states of the trees of one rollout, for one stateful env."""
+    """Per-node states of the trees of one rollout, for one stateful env.
+
+    ``kept_observation`` maps an observation the env returns to the text a node keeps of it (the
+    agent loop's :meth:`~treegrpo.rollout.agent.StepRunner.observation_ids`: it may shorten it or
+    wrap it in a chat turn); ``None``: nodes keep the env's text as it is.
+    """
 
     env: Any
     mode: StateMode
+    kept_observation: Callable[[str], str] | None = None
     _kept: dict[int, tuple[Tree, dict[int, Any]]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def for_env(cls, env: Any) -> StateKeeper | None:
+    def for_env(cls, env: Any, kept_observation: Callable[[str], str] | None = None) -> StateKeeper | None:
         """A keeper for ``env``; ``None`` for a stateless env (nothing to keep)."""
         mode = state_mode(env)
-        return None if mode == "stateless" else cls(env, mode)
+        return None if mode == "stateless" else cls(env, mode, kept_observation)
 
     def record(self, tree: Tree, node_id: int, state: Any) -> None:
         """Keep the state of node ``node_id`` (``state``, the live state right after its step)."""
@@ -54,8 +65,8 @@ class StateKeeper:
         replayed to build it (0 when the node's state was kept, or at the root).
 
         Raises:
-            ReplayDivergence: a replayed step ended the trajectory, or took another kind of action
-                than it did when it was recorded.
+            ReplayDivergence: a replayed step ended the trajectory, took another kind of action
+                than it did when it was recorded, or got another observation.
         """
         path = tree.path(node_id)
         kept = self._kept.get(id(tree), (tree, {}))[1]
@@ -76,12 +87,22 @@ class StateKeeper:
                 kwargs["histories"] = [list(history)]
             out = self.env.step([task], [nd.text], [True], **kwargs)[0]
             replayed += out.tool_calls
+            what = ""
             if out.done or out.kind != nd.extra.get("kind"):
+                what = (
+                    f"recorded a {nd.extra.get('kind')!r} step that went on, replayed a {out.kind!r} step"
+                    + (" that ended the trajectory" if out.done else "")
+                )
+            else:
+                obs = out.observation or ""
+                obs = obs if self.kept_observation is None else self.kept_observation(obs)
+                if obs != nd.observation:
+                    what = f"recorded the observation {_short(nd.observation)}, replayed {_short(obs)}"
+            if what:
                 self.env.close_state(state)
                 raise ReplayDivergence(
-                    f"replaying node {nd.id} of task {task.id!r}: recorded a {nd.extra.get('kind')!r} step that went on, "
-                    f"replayed a {out.kind!r} step{' that ended the trajectory' if out.done else ''}; the env must be "
-                    "deterministic for state_mode 'replay' (or provide snapshot/restore or fork)"
+                    f"replaying node {nd.id} of task {task.id!r}: {what}; the env must be deterministic for "
+                    "state_mode 'replay' (or provide snapshot/restore or fork)"
                 )
             history.append((nd.text, nd.observation))
         return state, replayed

@@ -7,11 +7,16 @@ selected, so a run of a thousand forests opens as fast as one (the script draws 
 
 Model output is untrusted text: the embedded JSON escapes ``<``, ``>``, ``&`` and the JavaScript
 line separators, so no string can close its ``<script>`` element, and the script puts every
-string into the page with ``textContent`` (never as HTML).
+string into the page with ``textContent`` (never as HTML). The page's Content-Security-Policy
+(:func:`content_security_policy`) fetches nothing and runs only the viewer's own script and
+stylesheet, named by their SHA-256 hashes (no ``'unsafe-inline'``): were some text ever to
+become markup, a script or style it brought would not run.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 from importlib import resources
@@ -51,6 +56,27 @@ def _asset(name: str) -> str:
     return resources.files("treegrpo.viz").joinpath(name).read_text(encoding="utf-8")
 
 
+def _inline_asset(name: str) -> str:
+    """An asset as it goes inside its element, line ends as the HTML parser leaves them (LF: the
+    browser hashes the parsed text, so the hash must be of the same characters)."""
+    text = _asset(name).replace("\r\n", "\n").replace("\r", "\n")
+    tag = "script" if name.endswith(".js") else "style"
+    if f"</{tag}" in text.lower():
+        raise ValueError(f"{name} contains '</{tag}': it would end its inline element")
+    return text
+
+
+def csp_hash(text: str) -> str:
+    """The CSP source expression allowing an inline element whose text is ``text``."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+def content_security_policy(script: str, style: str) -> str:
+    """The page's policy: nothing fetched (``default-src 'none'``, images only as ``data:``), and
+    only the inline ``script`` and ``style`` with exactly these texts run (hash sources)."""
+    return f"default-src 'none'; style-src {csp_hash(style)}; script-src {csp_hash(script)}; img-src data:"
+
+
 def _attr(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
@@ -58,11 +84,11 @@ def _attr(text: str) -> str:
 def build_html(data: ViewData, title: str | None = None) -> str:
     """The page: inline CSS and JS, the index and every forest as embedded JSON."""
     name = title or f"treegrpo · {data.index['run'].get('name', 'forests')}"
+    script, style = _inline_asset("viewer.js"), _inline_asset("viewer.css")
     parts = [
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">",
-        f"<title>{_attr(name)}</title><style>{_asset('viewer.css')}</style></head><body>",
+        f'<meta http-equiv="Content-Security-Policy" content="{_attr(content_security_policy(script, style))}">',
+        f"<title>{_attr(name)}</title><style>{style}</style></head><body>",
         '<div id="app"><header id="top"></header><nav id="side"></nav>',
         '<main id="main"><div id="budget"></div><div id="legend"></div><div id="canvas"></div></main>',
         '<aside id="detail"><p class="hint">Click a node to see its text, observation, reward, '
@@ -72,7 +98,7 @@ def build_html(data: ViewData, title: str | None = None) -> str:
     parts += [
         f'<script type="application/json" id="tg-f{i}">{embed_json(doc)}</script>' for i, doc in enumerate(data.forests)
     ]
-    parts.append(f"<script>{_asset('viewer.js')}</script></body></html>\n")
+    parts.append(f"<script>{script}</script></body></html>\n")
     return "\n".join(parts)
 
 
@@ -88,4 +114,4 @@ def write_view(source: str | Path, out: str | Path | None = None) -> tuple[Path,
     return out, data
 
 
-__all__ = ["build_html", "embed_json", "write_view"]
+__all__ = ["build_html", "content_security_policy", "csp_hash", "embed_json", "write_view"]

@@ -1,0 +1,226 @@
+"""The SQL sandbox's time bound (treegrpo.tasks.sql.tool, .guard): no statement runs long, the size
+producing functions included; printf's ``%c`` repeat loop (one VM instruction that neither the
+step limit nor the wall clock could stop) is cut short; the guarded printf gives SQLite's results.
+
+The bound checked: with ``wall_s`` = 0.3 s, every generated statement takes at most
+``wall_s + 1.0`` s of this thread's CPU time (CPU time, so a loaded machine does not fail it; the
+wall clock can only stop a statement sooner). Before the guard, one ``printf('%.*c', 2**31 - 1,
+'x')`` took 3 s of CPU here and three of them in one format 10 s."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from treegrpo.tasks.sql.env import SqlEnv
+from treegrpo.tasks.sql.guard import char_repeats
+from treegrpo.tasks.sql.problems import SqlConfig, build_problems
+from treegrpo.tasks.sql.tool import SqlDb, SqlLimits
+
+SCRIPT = (
+    "CREATE TABLE accounts(name TEXT, balance INTEGER); INSERT INTO accounts VALUES ('ann', 10), ('bo', 20);"
+)
+WALL_S = 0.3
+BOUND_S = WALL_S + 1.0
+
+
+def _timed(db: SqlDb, sql: str) -> tuple[str, bool, float]:
+    t = time.thread_time()
+    text, ok = db.run(sql)
+    return text, ok, time.thread_time() - t
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT printf('%.*c', 1000000000, 'x')",
+        "SELECT format('%.*c', 2147483647, 'x')",
+        "SELECT printf('%.1000000000c', 'x')",
+        "SELECT printf('%-*.*c', 5, '2147483647', 'x')",  # the count as text
+        "SELECT printf('%.*c', 5294967296, 'x')",  # 2**32 + 10**9: 10**9 as a 32-bit int
+        "SELECT printf('%.*c', -2147483647, 'x')",  # a negative count is its magnitude
+        "SELECT length(printf('%s%.*c%.*c', 'a', 2147483647, 'x', 2147483647, 'y'))",
+    ],
+)
+def test_printf_char_repeat_is_cut_short(sql: str) -> None:
+    db = SqlDb(SqlLimits(), script=SCRIPT)
+    text, ok, cpu = _timed(db, sql)
+    assert (text, ok) == ("NULL", True)  # SQLite's own result for a value past the limit
+    assert cpu < 0.1, f"{sql} took {cpu:.2f} s of CPU"
+
+
+def test_a_blocked_statement_is_an_observation() -> None:
+    env = SqlEnv(limits=SqlLimits(wall_s=WALL_S))
+    task = build_problems(SqlConfig(n_warmup=2, n_train=2, n_eval=2)).tasks("train")[0]
+    db = env.initial_state(task)
+    steps = ["<sql>SELECT printf('%.*c', 2147483647, 'x')</sql>", "<sql>SELECT zeroblob(1000000000)</sql>"]
+    outs = env.step([task, task], steps, [True, True], states=[db, db])
+    assert [(o.kind, o.done, o.observation) for o in outs] == [
+        ("sql", False, "<result>NULL</result>"),
+        ("sql", False, "<result>error: string or blob too big</result>"),
+    ]
+    env.close_state(db)
+
+
+def test_char_repeats_reads_the_format_as_sqlite_does() -> None:
+    assert char_repeats(b"%.*c %5.3c %*.*c %%%.7c") == [(True, 0), (False, 3), (True, 4), (False, 7)]
+    assert char_repeats(b"%d %s %.*c") == [(True, 2)]  # each conversion before it reads one argument
+    assert char_repeats(b"%n%.*c") == [(True, 0)]  # %n reads none
+    assert char_repeats(b"%c %-c %5c") == []  # no precision: one character
+    assert char_repeats(b"%.c %.0c") == [(False, 0), (False, 0)]
+    assert char_repeats(b"%.4294967301c %.2147483648c") == [
+        (False, 5),
+        (False, 0),
+    ]  # 32-bit unsigned, low 31 bits
+    assert char_repeats(b"%lld%.*llc") == [(True, 1)] and char_repeats(b"%ll.*c") == []  # 'l' goes last
+    assert char_repeats(b"%y %.*c") == [] and char_repeats(b"%T%.9c") == []  # SQLite stops at these
+    assert char_repeats(b"%5*d%.9c") == []  # '*' after a width is no conversion: stop
+    assert char_repeats(b"%.5c\0%.6c") == [(False, 5)]  # a C string
+    assert char_repeats(b"100%") == [] and char_repeats(b"%-0+ #!,.3c") == [(False, 3)]
+
+
+# -- the guarded printf gives the built-in's results ----------------------------------------------
+SPEC = st.builds(
+    lambda flags, width, prec, length, conv: f"%{flags}{width}{prec}{length}{conv}",
+    st.text(alphabet="-+ #!0,", max_size=3),
+    st.sampled_from(["", "*", "7", "12"]),
+    st.sampled_from(["", ".", ".*", ".3", ".0", ".4294967301"]),
+    st.sampled_from(["", "l", "ll"]),
+    st.sampled_from([*"cdsqQwzfgeExXoiunp%rTy.*", "é"]),
+)
+FORMAT = st.lists(st.one_of(SPEC, st.sampled_from(["", "a", " | ", "é"])), min_size=1, max_size=6).map(
+    "".join
+)
+NUMBERS = [0, 1, 5, 9999, 10_000, 10_001, 10**6, 2**32 + 3, -(2**32) + 7, -5, -(2**31), 2**63 - 1, -(2**63)]
+OTHERS = [1.9, -2.5, 1e300, "12", "12abc", " -7", "x", "", "é", "%", b"7", b"\x00ab", None]
+ARG = st.sampled_from([*NUMBERS, *OTHERS])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fmt=FORMAT, args=st.lists(ARG, max_size=6), name=st.sampled_from(["printf", "format"]), blob=st.booleans()
+)
+def test_guarded_printf_gives_the_builtins_result(
+    fmt: str, args: list[object], name: str, blob: bool
+) -> None:
+    limit = 10_000
+    db = SqlDb(SqlLimits(max_length=limit))
+    plain = sqlite3.connect(":memory:")
+    plain.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limit)
+    params = (fmt.encode() if blob else fmt, *args)
+    sql = f"SELECT {name}({', '.join('?' * len(params))})"
+    assert db.conn.execute(sql, params).fetchone() == plain.execute(sql, params).fetchone()
+
+
+# -- no statement runs long -----------------------------------------------------------------------
+HUGE = st.sampled_from(
+    [
+        "1000000",
+        "1000000000",
+        "2147483647",
+        "2147483648",
+        "5294967296",
+        "9223372036854775807",
+        "-9223372036854775808",
+    ]
+) | st.sampled_from(["-1000000000", "'1000000000'", "1e300", "x'31303030303030303030'"])
+BIG = st.sampled_from(
+    [
+        "hex(zeroblob(4500))",
+        "replace(hex(zeroblob(4000)), '0', 'ab')",
+        "printf('%.*c', 9000, 'a')",
+        "zeroblob(9000)",
+    ]
+) | st.sampled_from(["'x'", "''", "NULL", "'%a_b'", "printf('%.*c', 900, '%')"])
+CSPEC = st.builds(
+    lambda flags, width, prec, conv: f"%{flags}{width}{prec}{conv}",
+    st.sampled_from(["", "-", "0", "!", "#", ","]),
+    st.sampled_from(["", "*", "1000000000"]),
+    st.sampled_from(["", ".*", ".1000000000", ".4294967295"]),
+    st.sampled_from(list("ccccdsqQwfgeExiu%n!")),
+)
+
+
+def _call(name: str, *args: str) -> str:
+    return f"{name}({', '.join(args)})"
+
+
+def _expr(big: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """Calls of the size-producing functions on ``big`` values and ``HUGE`` counts."""
+    return st.one_of(
+        st.builds(
+            lambda name, specs, args: _call(name, "'" + "".join(specs) + "'", *args),
+            st.sampled_from(["printf", "format"]),
+            st.lists(CSPEC, min_size=1, max_size=3),
+            st.lists(st.one_of(HUGE, big), max_size=6),
+        ),
+        st.builds(
+            lambda f, n: f.format(n),
+            st.sampled_from(
+                ["zeroblob({})", "randomblob({})", "char({})", "round(1.5, {})", "hex(zeroblob({}))"]
+            ),
+            HUGE,
+        ),
+        st.builds(lambda s, a, b: f"substr({s}, {a}, {b})", big, HUGE, HUGE),
+        st.builds(lambda a, b, c: f"replace({a}, {b}, {c})", big, big, big),
+        st.builds(lambda a, b, c: f"char({a}, {b}, {c})", HUGE, HUGE, HUGE),
+        st.builds(
+            lambda f, a, b: f"{f}({a}, {b})",
+            st.sampled_from(["trim", "ltrim", "rtrim", "instr", "like", "glob"]),
+            big,
+            big,
+        ),
+        st.builds(
+            lambda f, a: f"{f}({a})",
+            st.sampled_from(["upper", "quote", "hex", "unicode", "json_quote", "soundex"]),
+            big,
+        ),
+        st.builds(lambda a, b: f"json_array({a}, {b})", big, big),
+        st.builds(lambda a, b: f"{a} || {b}", big, big),
+        st.builds(lambda a: f"rtreenode(2, {a})", big),
+    )
+
+
+EXPR = _expr(BIG)
+# in a recursive CTE: values that change with the row, so SQLite cannot compute a call once for all rows
+ROW_EXPR = _expr(
+    st.one_of(BIG, st.sampled_from(["(hex(zeroblob(4000)) || i)", "(i || printf('%.*c', 9000, 'a'))"]))
+)
+
+
+def _cte(row: str, limit: str) -> str:
+    return f"WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT {limit}) {row}"
+
+
+STATEMENT = st.one_of(
+    EXPR.map(lambda e: f"SELECT {e}"),
+    EXPR.map(lambda e: f"SELECT length({e})"),
+    st.builds(lambda e, n: _cte(f"SELECT group_concat({e} || i) FROM r", n), ROW_EXPR, HUGE),
+    st.builds(
+        lambda e, n: _cte(f"SELECT max(x) FROM (SELECT {e} || i AS x FROM r ORDER BY x)", n), ROW_EXPR, HUGE
+    ),
+    st.builds(lambda e, n: _cte(f"SELECT count(DISTINCT {e} || i) FROM r", n), ROW_EXPR, HUGE),
+    st.builds(
+        lambda e, n: (
+            f"WITH RECURSIVE r(i, s) AS (SELECT 1, {e} UNION ALL SELECT i + 1, s || {e} FROM r WHERE i < {n}) "
+            "SELECT count(*), max(length(s)) FROM r"
+        ),
+        ROW_EXPR,
+        HUGE,
+    ),
+    EXPR.map(lambda e: f"UPDATE accounts SET name = {e}"),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sql=STATEMENT)
+def test_no_statement_runs_longer_than_the_bound(sql: str) -> None:
+    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
+    text, ok, cpu = _timed(db, sql)
+    assert isinstance(text, str) and isinstance(ok, bool)
+    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
+    db.close()
