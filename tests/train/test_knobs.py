@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_trainer import DOCS, TASKS, parts_for, small_cfg
 
+from _optional import require_package
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import LossConfig
 from treegrpo.envs.search import SearchEnv
@@ -98,7 +99,7 @@ def test_gradient_checkpointing_needs_a_transformers_model() -> None:
 def test_lora_makes_no_model_copy_and_kl_starts_at_zero(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("peft")
+    require_package("peft")
 
     def no_copy(self: torch.nn.Module, memo: object) -> None:
         raise AssertionError(f"deepcopy of {type(self).__name__}")
@@ -124,7 +125,7 @@ def test_lora_makes_no_model_copy_and_kl_starts_at_zero(
 
 
 def test_lora_resume_restores_the_adapter_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("peft")
+    require_package("peft")
     from safetensors.torch import load_file
 
     lora = {"lora_rank": 4, "lora_alpha": 8.0, "kl_coef": 0.05, "entropy_coef": 0.01}
@@ -163,7 +164,7 @@ def test_bf16_and_lora_rl_steps_run_on_smollm2(
     smollm2_2layer_dir: Path, tmp_path: Path, dtype: str, lora_rank: int
 ) -> None:
     if lora_rank:
-        pytest.importorskip("peft")
+        require_package("peft")
     out = tmp_path / "run"
     parts = _smol_parts(smollm2_2layer_dir, getattr(torch, dtype))
     cfg = small_cfg(

@@ -1,8 +1,10 @@
 """The viewer in a real browser: Debian's chromium, driven headless by playwright.
 
 Skipped (with the reason) where /usr/bin/chromium or the playwright package is missing; CI
-installs both with ``.ci/install_browser.sh``. Screenshots are test artifacts: they are written
-under the test's tmp dir and copied to ``$TREEGRPO_ARTIFACTS`` when that is set.
+installs both with ``.ci/install_browser.sh``, so in CI (``CI=true``) their absence is a failure
+(``tests/_optional.py``); to run them on your machine: ``bash .ci/install_browser.sh``.
+Screenshots are test artifacts: they are written under the test's tmp dir and copied to
+``$TREEGRPO_ARTIFACTS`` when that is set.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 from makerun import EVIL, known_forest, make_run
 
+from _optional import require, require_package
 from treegrpo.tree import write_forests
 from treegrpo.viz.page import write_view
 
@@ -27,9 +30,9 @@ ARGS = [
 ]  # fmt: skip
 OPEN_LIMIT_MS = 2000.0
 
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} not installed (CI: .ci/install_browser.sh)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (CI: .ci/install_browser.sh)")
+require(CHROMIUM.exists(), str(CHROMIUM), "bash .ci/install_browser.sh", module_level=True)
+require_package("playwright", module_level=True)
+from playwright import sync_api  # noqa: E402  (installed: an import error is a failure)
 
 
 @pytest.fixture(scope="module")
