@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# CI: what the real-browser viewer test (tests/viz/test_browser.py) needs — Debian's chromium and
-# the playwright Python package that drives it. Playwright's own browser download is not used
-# (the test launches /usr/bin/chromium through executable_path), so no `playwright install`.
+# What the real-browser viewer tests (tests/viz/test_viz_browser.py) need: Debian's chromium and the
+# playwright Python package that drives it. Playwright's own browser download is not used (the tests
+# launch /usr/bin/chromium through executable_path), so no `playwright install`. CI runs it; on your
+# machine `bash .ci/install_browser.sh`, then the README's test command includes those tests.
 set -euo pipefail
 if [ ! -x /usr/bin/chromium ]; then
-  apt-get update
-  DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi  # apt-get needs root
+  $sudo apt-get update
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
 fi
-pip install -q playwright
+python -m pip install -q playwright
+echo "browser tests ready: python -m pytest -q tests/viz/test_viz_browser.py"
