@@ -1,25 +1,39 @@
 """treegrpo warmup on a real architecture and tokenizer (SmolLM2 cut to 2 layers): demonstrations
-made from the questions and the retriever, encoded through the chat template, a loadable output."""
+made from the questions and the retriever, encoded through the chat template, a loadable output;
+and (tiny model) its progress lines when the output is a log, not a terminal."""
 
 from __future__ import annotations
 
+import io
 import json
+import random
+import re
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from treegrpo.cli import app
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
-from treegrpo.models.loader import load_pretrained
+from treegrpo.models.loader import load_model, load_pretrained
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.tasks.datafile import search_demos
 from treegrpo.tasks.wikiqa import make_question
-from treegrpo.train.warmup import DemoTooLong, encode_demo
-from treegrpo.train.warmup_run import _encode_within_cap
+from treegrpo.train.config import make_config
+from treegrpo.train.warmup import (
+    DemoTooLong,
+    EncodedDemo,
+    WarmupConfig,
+    encode_demo,
+    progress_line,
+    supervised_warmup,
+)
+from treegrpo.train.warmup_run import WarmupRun, _encode_within_cap, run_warmup
 
 ARTICLES = [
     ("Mount Kilimanjaro", "Mount Kilimanjaro is a large dormant volcano in Tanzania. It has three cones."),
@@ -103,3 +117,62 @@ def _policy_runs(mask: list[int]) -> list[int]:
 def test_warmup_needs_data(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["warmup", "--model", "x", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2  # typer: --data is required
+
+
+# -- progress lines for logs ------------------------------------------------------------------------
+
+
+def test_progress_line_hand_values() -> None:
+    # step 3 of 12 after 6 s with 12 demos: 2 demos/s; 9 steps left at 2 s a step = 18 s
+    assert progress_line(3, 12, 0.5, 0.75, 12, 6.0) == (
+        "warm-up step 3/12 · loss 0.5000 (ema 0.7500) · 2.00 demos/s · ETA 18s"
+    )
+    assert progress_line(1, 25, 1.0, 1.0, 4, 50.0).endswith("0.08 demos/s · ETA 20m00s")  # 24 × 50 s
+    assert progress_line(1, 100, 1.0, 1.0, 4, 40.0).endswith("ETA 1h06m")  # 99 × 40 s = 3960 s
+    assert progress_line(5, 5, 0.1, 0.2, 20, 10.0).endswith("ETA 0s")
+
+
+def _tiny_warmup(model_dir: Path, tmp: Path, console: Console, epochs: float = 2, **run: object) -> dict[str, object]:
+    corpus, data = _files(tmp)
+    cfg = make_config(
+        {"model": str(model_dir), "data": str(data), "corpus": str(corpus), "eval_sampled": False,
+         "max_turns": 2, "max_step_tokens": 24, "eval_prompts": 1}
+    )  # fmt: skip
+    sft = WarmupConfig(epochs=epochs, batch_size=2, pack_len=0, lr=1e-3)
+    return run_warmup(cfg, WarmupRun(tmp / "warm", demos=6, sft=sft, eval_prompts=1, **run), console)  # type: ignore[arg-type]
+
+
+def test_warmup_prints_progress_lines_when_not_a_terminal(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log = io.StringIO()
+    record = _tiny_warmup(tiny_model_dir, tmp_path, Console(file=log, force_terminal=False, width=200), log_every=2)
+    steps = record["sft"]["steps"]  # type: ignore[index]
+    assert steps == 2 * 3  # 5 demos (6 questions, 1 held out) in batches of 2, 2 epochs
+    lines = [x for x in log.getvalue().splitlines() if x.startswith("warm-up step ")]
+    assert [x.split()[2] for x in lines] == ["2/6", "4/6", "6/6"]  # every 2 steps, and the last
+    for x in lines:
+        assert re.fullmatch(r"warm-up step \d/6 · loss \d+\.\d{4} \(ema \d+\.\d{4}\) · \d+\.\d\d demos/s · ETA \S+", x), x
+    assert lines[-1].endswith("ETA 0s")
+
+
+def test_warmup_on_a_terminal_prints_no_progress_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = io.StringIO()
+    _tiny_warmup(tiny_model_dir, tmp_path, Console(file=out, force_terminal=True, width=200), epochs=0.3)
+    assert "warm-up step" not in out.getvalue()  # the live bar shows it there
+
+
+def test_progress_lines_leave_the_warmup_unchanged(tiny_model_dir: Path) -> None:
+    """Printing progress draws no random numbers: the same weights, bit for bit."""
+    rng = random.Random(0)
+    encoded = [EncodedDemo([rng.randrange(3, 400) for _ in range(n)], [0] * 4 + [1] * (n - 4)) for n in (9, 12, 7, 15, 10)]
+    cfg = WarmupConfig(epochs=2, batch_size=2, pack_len=32, lr=1e-3)
+    said: list[str] = []
+    runs = []
+    for say in (None, said.append):
+        model = load_model(tiny_model_dir)
+        torch.manual_seed(0)
+        supervised_warmup(model, encoded, cfg, 0, random.Random(1), None, say=say, say_every=1)
+        runs.append(model.state_dict())
+    assert len(said) == 6  # 3 batches a epoch, 2 epochs
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    with pytest.raises(ValueError, match="say_every"):
+        supervised_warmup(model, encoded, cfg, 0, random.Random(1), say=said.append, say_every=0)

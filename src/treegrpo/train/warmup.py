@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,6 +249,33 @@ def _accumulated_step(model: torch.nn.Module, batches: Sequence[dict[str, torch.
     return value
 
 
+def sft_steps(n_demos: int, cfg: WarmupConfig) -> int:
+    """The optimizer steps :func:`supervised_warmup` takes on ``n_demos`` demonstrations."""
+    return max(1, math.ceil(cfg.epochs * math.ceil(n_demos / cfg.batch_size)))
+
+
+def _duration(seconds: float) -> str:
+    """``75`` → ``1m15s``, ``3725`` → ``1h02m``, ``9`` → ``9s``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(step: int, total: int, loss: float, loss_ema: float, demos: int, elapsed_s: float) -> str:
+    """One warm-up progress line after optimizer step ``step`` (1-based) of ``total``: the step's
+    loss and its running mean, demonstrations per second so far (``demos`` trained in
+    ``elapsed_s``) and the time left at that pace."""
+    rate = demos / elapsed_s if elapsed_s > 0 else float("inf")
+    eta = elapsed_s / step * (total - step) if step > 0 else float("nan")
+    return (
+        f"warm-up step {step}/{total} · loss {loss:.4f} (ema {loss_ema:.4f}) · "
+        f"{rate:.2f} demos/s · ETA {_duration(eta) if math.isfinite(eta) else '?'}"
+    )
+
+
 def supervised_warmup(
     model: torch.nn.Module,
     encoded: Sequence[EncodedDemo],
@@ -255,11 +283,19 @@ def supervised_warmup(
     pad_id: int,
     rng: random.Random,
     progress: Any = None,
+    say: Callable[[str], Any] | None = None,
+    say_every: int = 1,
 ) -> dict[str, float]:
-    """AdamW on the demos' policy tokens; returns loss statistics."""
+    """AdamW on the demos' policy tokens; returns loss statistics.
+
+    ``progress``: a rich display that gets a bar; ``say``: a printer that gets a
+    :func:`progress_line` every ``say_every`` optimizer steps and after the last (for a log, where
+    a bar shows nothing until it ends). Neither draws random numbers: the run is the same."""
+    if say_every < 1:
+        raise ValueError(f"say_every must be >= 1, got {say_every}")
     lengths = [len(e.ids) for e in encoded]
     per_epoch = math.ceil(len(encoded) / cfg.batch_size)
-    total = max(1, math.ceil(cfg.epochs * per_epoch))
+    total = sft_steps(len(encoded), cfg)
     plan: list[list[int]] = []
     while len(plan) < total:  # whole shuffled epochs; a fractional last one is cut short
         plan += _batches(len(encoded), cfg.batch_size, rng)
@@ -288,6 +324,7 @@ def supervised_warmup(
     ema: float | None = None
     last_epoch: list[float] = []
     task_id = progress.add_task("warm-up (SFT)", total=total) if progress is not None else None
+    t0, seen = time.perf_counter(), 0
     for step, idx in enumerate(plan):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -306,6 +343,9 @@ def supervised_warmup(
             last_epoch.append(val)
         if progress is not None:
             progress.update(task_id, advance=1, description=f"warm-up (SFT) loss {ema:.3f}")
+        seen += len(idx)
+        if say is not None and ((step + 1) % say_every == 0 or step + 1 == total):
+            say(progress_line(step + 1, total, val, ema, seen, time.perf_counter() - t0))
     model.eval()
     return {
         "final_loss": sum(last_epoch) / max(1, len(last_epoch)),
@@ -322,5 +362,7 @@ __all__ = [
     "demo_texts",
     "encode_demo",
     "policy_token_loss",
+    "progress_line",
+    "sft_steps",
     "supervised_warmup",
 ]

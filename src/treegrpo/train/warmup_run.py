@@ -38,6 +38,7 @@ from treegrpo.train.warmup import (
     EncodedDemo,
     WarmupConfig,
     encode_demo,
+    sft_steps,
     supervised_warmup,
 )
 
@@ -58,6 +59,9 @@ class WarmupRun:
         sft: the optimisation recipe (:data:`REAL_MODEL_SFT`).
         eval_prompts: held-out questions measured before and after.
         seed: batch order.
+        log_every: when the console is not a terminal (a log file, a pipe), a progress line
+            (step, loss, demos/s, ETA) every this many optimizer steps and after the last;
+            0 = about 20 lines a run (every ``steps // 20`` steps, at least every step).
     """
 
     out: Path
@@ -65,6 +69,7 @@ class WarmupRun:
     sft: WarmupConfig = REAL_MODEL_SFT
     eval_prompts: int = 32
     seed: int = 0
+    log_every: int = 0
 
 
 def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None) -> dict[str, Any]:
@@ -100,8 +105,14 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     )
     before = evaluate(runner, eval_tasks, cfg.eval_sampled)
     console.print(f"before: {_fmt(before)}")
+    steps = sft_steps(len(encoded), run.sft)
+    every = run.log_every or max(1, steps // 20)
+    say = None if console.is_terminal else (lambda line: console.print(line, markup=False, highlight=False))
+    console.print(f"SFT: {steps} optimizer steps of {run.sft.batch_size} demos")
     with progress_bars(True) as prog:
-        sft = supervised_warmup(model, encoded, run.sft, tok.pad_token_id, random.Random(run.seed), prog)
+        sft = supervised_warmup(
+            model, encoded, run.sft, tok.pad_token_id, random.Random(run.seed), prog, say=say, say_every=every
+        )
     runner.engine.load_weights(model)
     after = evaluate(runner, eval_tasks, cfg.eval_sampled)
     console.print(f"after:  {_fmt(after)}")
