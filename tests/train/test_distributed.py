@@ -115,6 +115,7 @@ def _setup(model_dir: Path, c: dict[str, Any]) -> tuple[Any, ...]:
             "kl_coef": 0.05,
             "entropy_coef": 0.01,
             "grad_clip": 1.0,
+            **c.get("set", {}),  # any other config fields
         }
     )
     loss_cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01, agg_mode=cfg.agg_mode)

@@ -36,7 +36,11 @@ SmolLM2 ids × 4 bytes = 1.6 GB apiece), all kept for backward. Two ways to boun
   byte-identical. It is used only when the model exposes ``get_decoder()`` and
   ``get_output_embeddings()`` and a one-time probe confirms ``head(decoder(x)) == model(x).logits``
   (a model that scales or soft-caps its logits falls back to the full logits, with the no-grad
-  chunking above).
+  chunking above). Under DDP (a ``DistributedDataParallel`` wrapper, whose forward must run for
+  its gradient all-reduce to happen) the decoder cannot be called alone: the wrapper's forward
+  runs with the inner model's LM head made the identity for that call (:func:`ddp_hidden`), so
+  its "logits" are the last hidden states and the gradients still sync; a one-time probe checks
+  that ``head(that output) == model(x).logits``, else the full logits.
 
 Log-probs and entropies are float32 whatever the model's dtype (float64 for a float64 model, as in
 exactness tests): bfloat16 logits are cast before the temperature and the log-softmax, so ratios,
@@ -45,8 +49,9 @@ KL and losses are computed in float32 at least.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -189,6 +194,74 @@ def _probe_split(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.n
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
 
 
+# Per inner model of a DDP wrapper: whether its forward with the head made the identity returns
+# hidden states h with head(h) == its logits.
+_THROUGH_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+_NO_FORWARD = object()
+
+
+def _ddp_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``DistributedDataParallel`` wrapper holds; ``None`` for any other module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else None
+
+
+@contextlib.contextmanager
+def _head_skipped(head: torch.nn.Module) -> Iterator[None]:
+    """``head`` returns its input unchanged inside the block (its own forward restored after)."""
+    old = head.__dict__.get("forward", _NO_FORWARD)
+    head.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if old is _NO_FORWARD:
+            del head.forward
+        else:
+            head.forward = old  # type: ignore[method-assign]
+
+
+@torch.no_grad()
+def _probe_through_forward(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    was_training = model.training
+    model.eval()
+    try:
+        p = next(model.parameters())
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+        ids = (torch.arange(6, device=p.device) * 7 % max(vocab, 1))[None]
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        with _head_skipped(head):
+            hidden = model(input_ids=ids, use_cache=False).logits
+        got = head(hidden).float()
+    except Exception:  # any other interface: the full logits
+        return False
+    finally:
+        model.train(was_training)
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+def ddp_hidden(
+    ddp: torch.nn.Module, inputs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.nn.Module] | None:
+    """``(last hidden states, lm_head)`` from the forward of the DDP wrapper ``ddp`` — the
+    wrapper's own forward, so its reducer takes part in the backward and gradients are all-reduced
+    — with the inner model's head the identity for that call; ``None`` (use the full logits) when
+    the inner model has no :func:`split_head` or its forward does more to the head's output than
+    return it (probed once per model)."""
+    inner = _ddp_inner(ddp)
+    parts = split_head(inner) if inner is not None else None
+    if inner is None or parts is None:
+        return None
+    head = parts[1]
+    if inner not in _THROUGH_FORWARD:
+        _THROUGH_FORWARD[inner] = _probe_through_forward(inner, head)
+    if not _THROUGH_FORWARD[inner]:
+        return None
+    with _head_skipped(head):
+        hidden = ddp(**inputs).logits
+    return hidden, head
+
+
 def model_logprobs(
     model: torch.nn.Module,
     inputs: dict[str, Any],
@@ -205,12 +278,16 @@ def model_logprobs(
     ``chunk_tokens`` (> 0) and a model :func:`split_head` accepts: from the decoder's hidden
     states, chunked and recomputed in backward (:func:`logprobs_from_hidden`, the module
     docstring); otherwise from the model's full logits (``chunk_tokens`` then chunks only the
-    log-softmax). ``None``/0: the full logits, exactly as before."""
+    log-softmax). A DDP wrapper: the same, its forward giving the hidden states
+    (:func:`ddp_hidden`). ``None``/0: the full logits, exactly as before."""
     if chunk_tokens:
-        parts = split_head(model)
-        if parts is not None:
-            decoder, head = parts
-            hidden = decoder(**inputs).last_hidden_state
+        found: tuple[torch.Tensor, torch.nn.Module] | None = None
+        if _ddp_inner(model) is not None:
+            found = ddp_hidden(model, inputs)
+        elif (parts := split_head(model)) is not None:
+            found = parts[0](**inputs).last_hidden_state, parts[1]
+        if found is not None:
+            hidden, head = found
             return logprobs_from_hidden(
                 hidden, head, src_B_L, targets_B_L,
                 temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
