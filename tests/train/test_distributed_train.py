@@ -5,6 +5,7 @@ through torchrun."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from test_trainer import DOCS, TASKS, parts_for, small_cfg
 
@@ -102,3 +104,63 @@ def test_nproc_launches_torchrun(tiny_model_dir: Path, tmp_path: Path) -> None:
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["rollout/trajectories"] == 12
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    assert proc.stdout.count("outputs in") == 1 and proc.stdout.count("treegrpo run summary") == 1  # rank 0's
+
+
+def _cli_files(tmp_path: Path) -> list[str]:
+    """The command line of a 1-step run on the test world: data, corpus, tree shape, out dir."""
+    data, corpus = tmp_path / "q.jsonl", tmp_path / "docs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"id": t.id, "question": t.question, "answers": t.answers}) + "\n" for t in TASKS)
+    )
+    corpus.write_text("".join(json.dumps({"id": d.id, "contents": d.contents}) + "\n" for d in DOCS))
+    cmd = ["--data", str(data), "--eval-data", str(data), "--corpus", str(corpus), "--steps", "1"]
+    cmd += ["--prompts-per-step", "3", "--ts-m", "2", "--ts-n", "1", "--ts-l", "1", "--out-dir", str(tmp_path / "cli")]
+    return [*cmd, "--set", "eval_prompts=2", "--set", "max_turns=2", "--set", "tensorboard=false"]
+
+
+def test_only_global_rank_0_prints_the_summary(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second node's process has LOCAL_RANK 0 but RANK 1: it wrote nothing, so it prints no
+    summary and no "outputs in"."""
+    from rich.console import Console
+
+    from treegrpo.train import run as run_mod
+    from treegrpo.train.trainer import TrainSummary
+
+    done = TrainSummary(
+        out_dir=str(tmp_path), steps=1, eval_start={"eval/success_greedy": 0.25}, eval_end={"eval/success_greedy": 0.5},
+        trajectories=12, generated_tokens=100, prefill_tokens=300, tool_calls=4, wall_s=2.0, rollout_s=1.0,
+        update_s=1.0, em_curve=[],
+    )  # fmt: skip
+    monkeypatch.setattr(run_mod, "train", lambda cfg, console: done)
+    printed = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        console = Console(file=io.StringIO(), width=200)
+        assert run_mod.run_training(small_cfg(tmp_path), console) is done  # every rank gets the summary
+        printed[rank] = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "outputs in" in printed["0"] and "treegrpo run summary" in printed["0"]
+    assert printed["1"] == ""
+
+
+def test_two_torchrun_nodes_print_one_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two torchrun "nodes" on this machine (c10d rendezvous, one process each): they train as one
+    job, and only the node that got global rank 0 prints the summary and "outputs in"."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), *sys.path])}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes", "--max_restarts", "0"]
+    cmd += ["-m", "treegrpo", "train", "--model", str(tiny_model_dir), *_cli_files(tmp_path)]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    for p, (o, e) in zip(nodes, outs, strict=True):
+        assert p.returncode == 0, o[-2000:] + e[-3000:]
+    rows = _rows(tmp_path / "cli")
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["rollout/trajectories"] == 12  # one job of 2 ranks
+    printed = sorted(o.count("outputs in") + o.count("treegrpo run summary") for o, _ in outs)
+    assert printed == [0, 2], [o[-1500:] for o, _ in outs]  # one node prints both, the other neither

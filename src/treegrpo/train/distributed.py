@@ -393,6 +393,12 @@ class Parallel:
             run.rank_streams = self.gather(run.stream_state())
 
 
+def global_rank() -> int:
+    """This process's rank in the whole torchrun job (``$RANK``, counted over every node; 0 outside
+    torchrun) — not ``LOCAL_RANK``, which is 0 on every node."""
+    return int(os.environ.get("RANK") or 0)
+
+
 SINGLE = Parallel()
 """One process: no collectives."""
 

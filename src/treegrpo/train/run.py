@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.distributed import global_rank
 from treegrpo.train.trainer import TrainSummary, train
 
 
@@ -33,8 +34,13 @@ def summary_table(s: TrainSummary) -> Table:
 
 
 def run_training(cfg: TrainConfig, console: Console | None = None) -> TrainSummary:
+    """:func:`~treegrpo.train.trainer.train`, then the closing summary — printed by the process of
+    global rank 0 only, the one that wrote the outputs (every rank of a torchrun job returns the
+    summary; a second node has a local rank 0 too)."""
     console = console or Console(soft_wrap=True)
     s = train(cfg, console)
+    if global_rank() != 0:
+        return s
     console.print(summary_table(s))
     console.print(
         f"outputs in [bold]{s.out_dir}[/]: metrics.jsonl, summary.json, checkpoint/ (a from_pretrained folder), rollouts/*.jsonl"
