@@ -5,6 +5,7 @@ through torchrun."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -18,8 +19,14 @@ import pytest
 import torch
 from test_trainer import DOCS, TASKS, parts_for, small_cfg
 
+from treegrpo.algos.advantages import token_advantages
+from treegrpo.models.loader import load_model
 from treegrpo.train.checkpoint import read_checkpoint
-from treegrpo.train.trainer import train
+from treegrpo.train.config import TrainConfig
+from treegrpo.train.schedule import lr_at, set_lr
+from treegrpo.train.trainer import advantage_config, loss_config, policy_model, reference_policy, train
+from treegrpo.train.update import update
+from treegrpo.tree import read_forests
 
 
 def _free_port() -> int:
@@ -48,13 +55,107 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 
 RUN = {"prompts_per_step": 3, "m": 2, "n": 1, "l": 1, "kl_coef": 0.01}
+# every step's forests (what the replay trains on); an entropy bonus, so the steps move every
+# parameter (the random tiny model earns no reward: no policy gradient, and KL 0 at the start)
+RESUME = {**RUN, "dump_rollouts_every": 1, "entropy_coef": 0.01}
+
+
+# -- training state, compared by value --------------------------------------------------------------
+
+State = tuple[dict[str, torch.Tensor], dict[str, Any]]  # (parameters by name, optimizer.state_dict())
+HYPER = ("lr", "betas", "eps", "weight_decay", "params")
+
+
+def assert_same_training_state(got: State, want: State, *, param_atol: float = 1e-5, opt_rtol: float = 1e-4) -> None:
+    """``got`` holds the values of ``want``: every parameter within ``param_atol``; the optimizer's
+    hyper-parameters and per-parameter step counts equal, and each moment tensor (``exp_avg``,
+    ``exp_avg_sq``) within ``opt_rtol`` of its own largest magnitude. The optimizer state is
+    matched by parameter index, the parameters by name, so a mapping that swaps two tensors of the
+    same shape fails (their values differ)."""
+    (gp, go), (wp, wo) = got, want
+    assert gp.keys() == wp.keys()
+    for name, w in wp.items():
+        assert gp[name].shape == w.shape, name
+        d = float((gp[name].double() - w.double()).abs().max())
+        assert d <= param_atol, f"parameter {name} differs by {d:.3g} (> {param_atol})"
+    def hyper(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:  # a reloaded state has lists for tuples
+        return [{k: list(g[k]) if isinstance(g[k], tuple) else g[k] for k in HYPER} for g in groups]
+
+    assert hyper(go["param_groups"]) == hyper(wo["param_groups"])
+    assert go["state"].keys() == wo["state"].keys()
+    for i, w in wo["state"].items():
+        g = go["state"][i]
+        assert g.keys() == w.keys() and float(g["step"]) == float(w["step"]), i
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert g[k].shape == w[k].shape, (i, k)
+            d, scale = float((g[k].double() - w[k].double()).abs().max()), float(w[k].abs().max())
+            assert d <= opt_rtol * scale + 1e-30, f"optimizer state {i}.{k} differs by {d:.3g} (scale {scale:.3g})"
+
+
+def _saved(out: Path) -> State:
+    """The parameters and optimizer state of the run's latest checkpoint."""
+    ck = read_checkpoint(out / "checkpoint")
+    return load_model(ck.folder).state_dict(), ck.optimizer
+
+
+def _replay(model_dir: Path, out: Path, steps: int) -> dict[int, State]:
+    """The uninterrupted run: one process, one model and optimizer never saved nor loaded, trained
+    step by step on the forests the resumed run wrote (``rollouts/step_k.jsonl``: all ranks'
+    forests, in task order) with the run's recorded config. (A separately sampled run would not
+    do: each rank samples its own stream, so the rollouts depend on the world size.)"""
+    cfg = TrainConfig.model_validate(json.loads((out / "config.json").read_text()))
+    parts = parts_for(model_dir)
+    model = policy_model(parts.model, cfg)
+    ref = reference_policy(model, cfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(cfg.lr), weight_decay=cfg.weight_decay)
+    states = {}
+    for step in range(1, steps + 1):
+        forests = read_forests(out / "rollouts" / f"step_{step:05d}.jsonl")
+        advs = [token_advantages(f, cfg.estimator, advantage_config(cfg)) for f in forests]
+        set_lr(opt, lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+        update(model, ref, opt, forests, advs, cfg, loss_config(cfg), parts.tokenizer.pad_token_id)
+        states[step] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    return states
+
+
+def test_the_state_comparison_catches_a_swapped_mapping(tiny_model_dir: Path) -> None:
+    """Two same-shape tensors swapped — parameters by name, or optimizer state by index — fail the
+    comparison; the unswapped copy and float noise pass."""
+    model = load_model(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for seed in range(2):
+        ids = torch.randint(3, 400, (2, 16), generator=torch.Generator().manual_seed(seed))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    state: State = ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    assert_same_training_state(copy.deepcopy(state), state)
+    noisy = copy.deepcopy(state)
+    for v in noisy[0].values():
+        v.add_(1e-7)
+    assert_same_training_state(noisy, state)
+
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    swapped = copy.deepcopy(state)
+    swapped[0][a], swapped[0][b] = swapped[0][b], swapped[0][a]
+    with pytest.raises(AssertionError, match=r"parameter model\.layers\.0\.mlp\.up_proj\.weight differs"):
+        assert_same_training_state(swapped, state)
+
+    names = [n for n, _ in model.named_parameters()]
+    i, j = names.index(a), names.index(b)
+    swapped = copy.deepcopy(state)
+    st = swapped[1]["state"]
+    st[i], st[j] = st[j], st[i]
+    with pytest.raises(AssertionError, match="optimizer state"):
+        assert_same_training_state(swapped, state)
 
 
 def test_two_ranks_train_write_once_and_resume_with_other_world_sizes(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    _spawn(tiny_model_dir, out=str(out), steps=2, **RUN)
+    saved: dict[int, State] = {}
+    _spawn(tiny_model_dir, out=str(out), steps=2, **RESUME)
+    saved[2] = _saved(out)
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["rollout/trajectories"] == 3 * 2 * 2  # all ranks' forests: 3 prompts (2 + 1)
@@ -64,10 +165,12 @@ def test_two_ranks_train_write_once_and_resume_with_other_world_sizes(
     assert len(ck.run.rank_streams) == 2 and ck.run.rank_streams[0]["gen"].equal(ck.run.gen.get_state())
     assert not ck.run.rank_streams[1]["gen"].equal(ck.run.gen.get_state())  # rank 1 samples its own stream
     # 2 ranks → 1 process
-    s = train(small_cfg(out, steps=3, resume=True, **RUN), parts=parts_for(tiny_model_dir))
+    s = train(small_cfg(out, steps=3, resume=True, **RESUME), parts=parts_for(tiny_model_dir))
     assert s.steps == 3 and [r["step"] for r in _rows(out)] == [0, 1, 2, 3]
+    saved[3] = _saved(out)
     # 1 process → 2 ranks, DDP → FSDP2 (parallel may change on resume)
-    _spawn(tiny_model_dir, out=str(out), steps=4, resume=True, parallel="fsdp2", **RUN)
+    _spawn(tiny_model_dir, out=str(out), steps=4, resume=True, parallel="fsdp2", **RESUME)
+    saved[4] = _saved(out)
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[4]["rollout/trajectories"] == 12 and "eval/success_greedy" in rows[4]
@@ -75,8 +178,15 @@ def test_two_ranks_train_write_once_and_resume_with_other_world_sizes(
     assert ck.step == 4 and len(ck.run.rank_streams) == 2
     assert set(ck.optimizer["state"]) == set(range(len(list(parts_for(tiny_model_dir).model.parameters()))))
     # and back to one process from the FSDP2 checkpoint: weights and the gathered optimizer state load
-    s = train(small_cfg(out, steps=5, resume=True, **RUN), parts=parts_for(tiny_model_dir))
+    s = train(small_cfg(out, steps=5, resume=True, **RESUME), parts=parts_for(tiny_model_dir))
     assert s.steps == 5
+    saved[5] = _saved(out)
+    # the values: every checkpoint holds what one uninterrupted process trained on the same forests
+    replay = _replay(tiny_model_dir, out, 5)
+    start = load_model(tiny_model_dir).state_dict()
+    assert max(float((replay[5][0][k] - start[k]).abs().max()) for k in start) > 1e-3  # the steps did something
+    for step, state in saved.items():
+        assert_same_training_state(state, replay[step])
 
 
 def test_a_rank_without_prompts_still_takes_part(tiny_model_dir: Path, tmp_path: Path) -> None:

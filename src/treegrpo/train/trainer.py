@@ -145,16 +145,7 @@ def train(
     )
     estimator = cfg.estimator
     get_advantage_estimator(estimator)  # fail fast on an unknown name
-    adv_cfg = AdvantageConfig(scale=cfg.adv_scale, sqrt_weighting=cfg.adv_sqrt_weighting, local=cfg.adv_local)
-    loss_cfg = LossConfig(
-        clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high,
-        dual_clip=cfg.dual_clip,
-        kl_coef=cfg.kl_coef,
-        kl_kind=cfg.kl_kind,
-        entropy_coef=cfg.entropy_coef,
-        agg_mode=cfg.agg_mode,
-    )
+    adv_cfg, loss_cfg = advantage_config(cfg), loss_config(cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]  # all, or the LoRA adapter's
     optimizer = torch.optim.AdamW(trainable, lr=float(cfg.lr), weight_decay=cfg.weight_decay)
     if resume_from is None:
@@ -278,6 +269,24 @@ def train(
         atomic_write_json(out / "summary.json", summary.to_dict())
     par.close()
     return summary
+
+
+def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
+    """The advantage estimator's settings of a run."""
+    return AdvantageConfig(scale=cfg.adv_scale, sqrt_weighting=cfg.adv_sqrt_weighting, local=cfg.adv_local)
+
+
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    """The PPO-clip loss settings of a run."""
+    return LossConfig(
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        dual_clip=cfg.dual_clip,
+        kl_coef=cfg.kl_coef,
+        kl_kind=cfg.kl_kind,
+        entropy_coef=cfg.entropy_coef,
+        agg_mode=cfg.agg_mode,
+    )
 
 
 def _finished(out: Path, cfg: TrainConfig, ck: Checkpoint, console: Console) -> TrainSummary:
