@@ -1,7 +1,9 @@
 """The trainer on 2 gloo ranks: rank 0 writes every file, the rollouts of all ranks are in the
 metrics and the written forests, checkpoints hold every rank's streams, and a run resumes with a
-different world size (2 → 1 → 2, DDP → FSDP2). Plus one real launch: ``treegrpo train --nproc 2``
-through torchrun."""
+different world size (2 → 1 → 2, DDP → FSDP2 → 1) holding, at every checkpoint, the parameter and
+optimizer-state values of one uninterrupted process trained on the same forests. Plus real
+launches: ``treegrpo train --nproc 2`` through torchrun, and two torchrun "nodes" (c10d
+rendezvous) of which only global rank 0 prints the summary."""
 
 from __future__ import annotations
 
