@@ -4,11 +4,12 @@
 # launch /usr/bin/chromium through executable_path), so no `playwright install`. CI runs it; on your
 # machine `bash .ci/install_browser.sh`, then the README's test command includes those tests.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 if [ ! -x /usr/bin/chromium ]; then
   sudo=""
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi  # apt-get needs root
   $sudo apt-get update
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
 fi
-python -m pip install -q playwright
+python -m pip install -q -c constraints.txt playwright  # the version lock's playwright
 echo "browser tests ready: python -m pytest -q tests/viz/test_viz_browser.py"
