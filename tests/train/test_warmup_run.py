@@ -136,7 +136,7 @@ def _tiny_warmup(model_dir: Path, tmp: Path, console: Console, epochs: float = 2
     corpus, data = _files(tmp)
     cfg = make_config(
         {"model": str(model_dir), "data": str(data), "corpus": str(corpus), "eval_sampled": False,
-         "max_turns": 2, "max_step_tokens": 24, "eval_prompts": 1}
+         "max_turns": 2, "max_step_tokens": 104, "max_context_tokens": 480, "eval_prompts": 1}
     )  # fmt: skip
     sft = WarmupConfig(epochs=epochs, batch_size=2, pack_len=0, lr=1e-3)
     return run_warmup(cfg, WarmupRun(tmp / "warm", demos=6, sft=sft, eval_prompts=1, **run), console)  # type: ignore[arg-type]
@@ -146,7 +146,7 @@ def test_warmup_prints_progress_lines_when_not_a_terminal(tiny_model_dir: Path, 
     log = io.StringIO()
     record = _tiny_warmup(tiny_model_dir, tmp_path, Console(file=log, force_terminal=False, width=200), log_every=2)
     steps = record["sft"]["steps"]  # type: ignore[index]
-    assert steps == 2 * 3  # 5 demos (6 questions, 1 held out) in batches of 2, 2 epochs
+    assert record["demos"] == 5 and steps == 2 * 3  # 5 demos (6 questions, 1 held out) in batches of 2, 2 epochs
     lines = [x for x in log.getvalue().splitlines() if x.startswith("warm-up step ")]
     assert [x.split()[2] for x in lines] == ["2/6", "4/6", "6/6"]  # every 2 steps, and the last
     for x in lines:
