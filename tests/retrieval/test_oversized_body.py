@@ -7,7 +7,6 @@ connection closed. A real uvicorn server on 127.0.0.1; every wait is bounded."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ from types import ModuleType
 import httpx
 import pytest
 
+from _optional import require_package
 from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.retrieval.server import LOOPBACK, ServerThread, make_app
@@ -30,12 +30,9 @@ GOOD = json.dumps({"queries": ["Nile river"], "topk": 1}).encode()
 
 
 def _requests() -> ModuleType:
-    try:
-        import requests
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise  # CI installs it (the gguf extra needs it)
-        pytest.skip("requests is not installed")
+    require_package("requests")  # skipped without it; in CI (the gguf extra brings it) a failure
+    import requests
+
     return requests
 
 
