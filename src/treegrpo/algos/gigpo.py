@@ -354,10 +354,12 @@ def anchor_annotations(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, di
 
 def shared_anchor_stats(forests: Sequence[Forest], cfg: AdvantageConfig | None = None) -> dict[str, float]:
     """GiGPO's own diagnostic over ``forests``: ``steps`` (non-root nodes), ``shared_frac`` (the
-    fraction of them whose anchor group holds at least one other node) and ``group_size`` (mean
-    distinct nodes per anchor group)."""
+    fraction of them whose anchor group holds at least one other node), ``group_size`` (mean
+    distinct nodes per anchor group), and the same for the steps after the first
+    (``deep_steps``, ``deep_shared_frac``: a first step always shares the prompt with the group's
+    other first steps, so this is where chains and trees differ)."""
     cfg = cfg or AdvantageConfig()
-    steps = shared = groups = 0
+    steps = shared = groups = deep = deep_shared = 0
     for f in forests:
         if not f.leaves():
             continue
@@ -365,10 +367,16 @@ def shared_anchor_stats(forests: Sequence[Forest], cfg: AdvantageConfig | None =
         steps += len(fs.node_group)
         shared += sum(n > 1 for n in fs.node_group_size.values())
         groups += len(set(fs.node_group.values()))
+        for (ti, nid), n in fs.node_group_size.items():
+            if f.trees[ti].node(nid).parent != f.trees[ti].root.id:
+                deep += 1
+                deep_shared += n > 1
     return {
         "steps": float(steps),
         "shared_frac": shared / steps if steps else 0.0,
         "group_size": steps / groups if groups else 0.0,
+        "deep_steps": float(deep),
+        "deep_shared_frac": deep_shared / deep if deep else 0.0,
     }
 
 
