@@ -139,26 +139,12 @@ class TrainConfig(BaseModel):
     adv_local: bool = Field(
         True, description="treerl: add the local term V(s) - V(parent) (False: global advantage only)."
     )
-    gamma: float = Field(
-        0.95, ge=0.0, le=1.0, validation_alias=AliasChoices("gamma", "algorithm.gamma"),
-        description="gigpo, tree_gigpo: discount of the step returns (verl-agent's algorithm.gamma).",
-    )  # fmt: skip
-    step_advantage_w: float = Field(
-        1.0, validation_alias=AliasChoices("step_advantage_w", "gigpo.step_advantage_w"),
-        description="gigpo, tree_gigpo: weight of the step-level (anchor-state) term (algorithm.gigpo.step_advantage_w).",
-    )  # fmt: skip
-    gigpo_mode: Literal["mean_norm", "mean_std_norm"] = Field(
-        "mean_norm", validation_alias=AliasChoices("gigpo_mode", "gigpo.mode"),
-        description="gigpo, tree_gigpo: mean_norm (subtract the group mean) or mean_std_norm (and divide by the std) (algorithm.gigpo.mode).",
-    )  # fmt: skip
-    enable_similarity: bool = Field(
-        False, validation_alias=AliasChoices("enable_similarity", "gigpo.enable_similarity"),
-        description="gigpo, tree_gigpo: group steps by similar observations instead of identical states (algorithm.gigpo.enable_similarity).",
-    )  # fmt: skip
-    similarity_thresh: float = Field(
-        0.95, gt=0.0, lt=1.0, validation_alias=AliasChoices("similarity_thresh", "gigpo.similarity_thresh"),
-        description="gigpo, tree_gigpo with enable_similarity: the difflib ratio two observations need to share a group (algorithm.gigpo.similarity_thresh).",
-    )  # fmt: skip
+    # GiGPO (gigpo, tree_gigpo), under verl-agent's names (algorithm.gamma, algorithm.gigpo.*: accepted as aliases)
+    gamma: float = Field(0.95, ge=0.0, le=1.0, validation_alias=AliasChoices("gamma", "algorithm.gamma"), description="gigpo, tree_gigpo: discount of the step returns (verl-agent's algorithm.gamma).")
+    step_advantage_w: float = Field(1.0, validation_alias=AliasChoices("step_advantage_w", "gigpo.step_advantage_w"), description="gigpo, tree_gigpo: weight of the step-level (anchor-state) term.")
+    gigpo_mode: Literal["mean_norm", "mean_std_norm"] = Field("mean_norm", validation_alias=AliasChoices("gigpo_mode", "gigpo.mode"), description="gigpo, tree_gigpo: mean_norm (subtract the group mean) or mean_std_norm (and divide by the std).")
+    enable_similarity: bool = Field(False, validation_alias=AliasChoices("enable_similarity", "gigpo.enable_similarity"), description="gigpo, tree_gigpo: group steps by similar observations instead of identical states.")
+    similarity_thresh: float = Field(0.95, gt=0.0, lt=1.0, validation_alias=AliasChoices("similarity_thresh", "gigpo.similarity_thresh"), description="gigpo, tree_gigpo with enable_similarity: the difflib ratio two observations need to share a group.")
     clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
     dual_clip: bool = Field(False, description="Dual clip (c=3) for negative advantages.")
