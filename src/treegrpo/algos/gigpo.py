@@ -40,7 +40,7 @@ the parent's observation (the prompt for a first step, the state key where there
   in row order (identical texts are clustered once: the same partition, fewer comparisons).
 
 Changed: float64 throughout (verl-agent uses float32: an all-equal group's rounding residue over
-std + eps is then ~1e-2, not 0); outcome rewards only (a non-leaf node's ``reward`` is ignored;
+std + eps is then up to ~0.1, not 0); outcome rewards only (a non-leaf node's ``reward`` is ignored;
 verl-agent also subtracts an invalid-action penalty from the step returns, which we do not have);
 the anchor is the whole state before the step rather than verl-agent's current observation (the
 issue's choice: exact by construction on trees, and the env can supply it); a tree's node is the

@@ -109,7 +109,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.axhline(result["start"]["eval/success_sampled"], color="gray", linestyle=":", label="start")
     for a in (ax, bx):
         a.set_xticks(range(len(budgets)), [f"budget {b}" for b in budgets])
-        a.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower center")
+    bx.legend(fontsize=7, loc="lower center", framealpha=0.9)
     ax.set_ylabel("held-out EM, sampled T=1 (end of run)")
     ax.set_title("EM at the end: mean, min–max over seeds")
     bx.set_ylim(0, 1.05)
