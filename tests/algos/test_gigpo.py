@@ -149,7 +149,13 @@ def test_annotations_and_diagnostic() -> None:
     assert all("anchor_group" not in t.root.extra for t in f.trees)
     stats = shared_anchor_stats([chain_group(), small_tree()])
     # deep steps: a2, b2 (shared), d2 (alone); tree nodes 2, 3 (siblings)
-    assert stats == {"steps": 11.0, "shared_frac": 10 / 11, "group_size": 11 / 5, "deep_steps": 5.0, "deep_shared_frac": 4 / 5}
+    assert stats == {
+        "steps": 11.0,
+        "shared_frac": 10 / 11,
+        "group_size": 11 / 5,
+        "deep_steps": 5.0,
+        "deep_shared_frac": 4 / 5,
+    }
     # scoring again with another estimator removes the stale groups
     score_forest(f, "grpo")
     assert not any("anchor_group" in n.extra or "anchor_size" in n.extra for t in f.trees for n in t.nodes)

@@ -123,7 +123,11 @@ def test_results_replot(tmp_path: Path) -> None:
     """``treegrpo plot`` re-draws the GiGPO table's figure from its JSON."""
     from treegrpo.benchmarks.replot import replot
 
-    rows = [_row("chain 2", 0, 0.3, 0.5), _row("chain 2 gigpo", 0, 0.4, 0.6), _row("tree (1,2,1) random", 0, 0.6, 0.9)]
+    rows = [
+        _row("chain 2", 0, 0.3, 0.5),
+        _row("chain 2 gigpo", 0, 0.4, 0.6),
+        _row("tree (1,2,1) random", 0, 0.6, 0.9),
+    ]
     doc = {"bench": "learn_gigpo", "task": "search", "budgets": [2], "seeds": [0], "start": {"eval/success_sampled": 0.2},
            "regime": {"steps": 2, "prompts_per_step": 2, "lr": 1e-4}, "rows": rows, **summarize_gigpo(rows)}  # fmt: skip
     src = tmp_path / "learn_gigpo.json"

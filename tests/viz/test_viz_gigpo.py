@@ -22,14 +22,21 @@ def test_gigpo_scored_forest_carries_anchor_groups_to_the_page(tmp_path: Path) -
     (row,) = data.index["steps"][0]["prompts"]
     # the three first steps share the prompt (group 0); tree 0's node 2 follows the search alone
     assert row["anchor_groups"] == 1 and row["anchor_shared"] == 0.75
-    nodes = {(ti, n["id"]): n.get("extra", {}) for ti, t in enumerate(data.forests[0]["trees"]) for n in t["nodes"]}
+    nodes = {
+        (ti, n["id"]): n.get("extra", {}) for ti, t in enumerate(data.forests[0]["trees"]) for n in t["nodes"]
+    }
     assert {k: (v.get("anchor_group"), v.get("anchor_size")) for k, v in nodes.items()} == {
         (0, 0): (None, None), (0, 1): (0, 3), (0, 2): (1, 1), (0, 3): (0, 3), (1, 0): (None, None), (1, 1): (0, 3),
     }  # fmt: skip
     html = build_html(data)
     forest_json = re.search(r'id="tg-f0">(.*?)</script>', html, re.S).group(1)  # type: ignore[union-attr]
     assert json.loads(forest_json)["trees"][0]["nodes"][1]["extra"]["anchor_group"] == 0
-    for needle in ("data-anchor", "anchor-on", "anchor-legend", "anchor group"):  # the script marks the groups
+    for needle in (
+        "data-anchor",
+        "anchor-on",
+        "anchor-legend",
+        "anchor group",
+    ):  # the script marks the groups
         assert needle in html
 
 
