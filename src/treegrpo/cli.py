@@ -31,11 +31,19 @@ def advantages_cmd(
     scale: str = typer.Option(
         "std", "--scale", help="std: divide by the group std; none: mean only (Dr. GRPO)."
     ),
+    gamma: float = typer.Option(0.95, "--gamma", help="gigpo, tree_gigpo: discount of the step returns."),
+    step_advantage_w: float = typer.Option(1.0, "--step-advantage-w", help="gigpo, tree_gigpo: weight of the step term."),
+    mode: str = typer.Option("mean_norm", "--mode", help="gigpo, tree_gigpo: mean_norm | mean_std_norm."),
+    enable_similarity: bool = typer.Option(
+        False, "--enable-similarity", help="gigpo, tree_gigpo: group similar observations, not identical states."
+    ),
+    similarity_thresh: float = typer.Option(0.95, "--similarity-thresh", help="gigpo: difflib ratio, in (0, 1)."),
     out: Path | None = typer.Option(
         None, "--out", "-o", help="Write JSON lines here (atomically) instead of stdout."
     ),
 ) -> None:
-    """Score forests with an advantage estimator; print them back as JSON lines with `advantage` set."""
+    """Score forests with an advantage estimator; print them back as JSON lines with `advantage` set
+    (gigpo, tree_gigpo: also each step's `anchor_group` and `anchor_size`, which the viewer marks)."""
     import json
 
     from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest
@@ -47,7 +55,14 @@ def advantages_cmd(
 
     try:
         get_advantage_estimator(estimator)
-        cfg = AdvantageConfig(scale=scale)  # type: ignore[arg-type]
+        cfg = AdvantageConfig(
+            scale=scale,  # type: ignore[arg-type]
+            gamma=gamma,
+            step_advantage_w=step_advantage_w,
+            mode=mode,  # type: ignore[arg-type]
+            enable_similarity=enable_similarity,
+            similarity_thresh=similarity_thresh,
+        )
     except ValueError as e:
         fail(str(e))
     try:
@@ -86,7 +101,7 @@ def train_cmd(
     fork_score: str | None = typer.Option(None, help="EPTree: logp | entropy | random."),
     group_size: int | None = typer.Option(None, help="Chain: chains per prompt (G)."),
     expand_mode: str | None = typer.Option(None, help="random | nonroot | entropy."),
-    advantage: str | None = typer.Option(None, help="Advantage estimator (grpo, tree_grpo, intra_only, inter_only, treerl)."),
+    advantage: str | None = typer.Option(None, help="Advantage estimator (grpo, tree_grpo, intra_only, inter_only, treerl, gigpo, tree_gigpo; GiGPO's options: --set gamma=, step_advantage_w=, gigpo_mode=, enable_similarity=, similarity_thresh=)."),
     steps: int | None = typer.Option(None, help="RL steps."),
     prompts_per_step: int | None = typer.Option(None, help="Prompts per step."),
     lr: float | None = typer.Option(None, help="Learning rate."),

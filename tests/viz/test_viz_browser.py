@@ -169,3 +169,24 @@ def test_token_tree_shows_rounds_and_fork_points(page: Any, tmp_path: Path) -> N
     node(page, 0, 3).click()
     assert "round\t1" in page.inner_text("#detail") and "context before\t5 tok" in page.inner_text("#detail")
     assert page.errors == []
+
+
+def test_gigpo_anchor_groups_are_marked(page: Any, tmp_path: Path) -> None:
+    from treegrpo.algos import score_forest
+
+    src = tmp_path / "gigpo.jsonl"
+    write_forests([score_forest(known_forest(), "gigpo")], src)
+    html, _ = write_view(src)
+    open_view(page, html)
+    # the three first steps share the prompt: one group, ringed and labelled g0; node 2 is alone
+    assert page.locator("#canvas circle.anchor").count() == 3
+    labels = page.eval_on_selector_all("#canvas text.albl", "els => els.map(e => e.textContent)")
+    assert labels == ["g0", "g0", "g0"]
+    assert "GiGPO anchor group" in page.inner_text("#legend") and "anchor groups 1 shared" in page.inner_text("#budget")
+    node(page, 1, 1).click()  # tree 1's first step marks its peers in tree 0 too
+    assert page.locator("#canvas g.node.anchor-on").count() == 3
+    assert "anchor group\tg0 · 3 steps from this state" in page.inner_text("#detail")
+    node(page, 0, 2).click()
+    assert page.locator("#canvas g.node.anchor-on").count() == 1
+    assert "anchor group\tg1 · 1 step from this state" in page.inner_text("#detail")
+    assert page.errors == []

@@ -11,6 +11,7 @@ from treegrpo.algos.advantages import (
     score_forest,
     token_advantages,
 )
+from treegrpo.algos.gigpo import gigpo_rows, shared_anchor_stats  # registers gigpo, tree_gigpo
 from treegrpo.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalty, register_kl
 from treegrpo.algos.losses import (
     AGG_MODES,
@@ -41,6 +42,7 @@ __all__ = [
     "get_advantage_estimator",
     "get_kl_estimator",
     "get_policy_loss",
+    "gigpo_rows",
     "group_normalize",
     "kl_penalty",
     "masked_mean",
@@ -49,5 +51,6 @@ __all__ = [
     "register_kl",
     "register_policy_loss",
     "score_forest",
+    "shared_anchor_stats",
     "token_advantages",
 ]

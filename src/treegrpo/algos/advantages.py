@@ -7,7 +7,11 @@ the :data:`ADVANTAGE_ESTIMATORS` registry; the trainer and the CLI dispatch only
 - ``"leaf"`` (trajectory level): one value per leaf, broadcast to every policy token of the
   leaf's root→leaf path (``grpo``, ``tree_grpo``, ``intra_only``, ``inter_only``).
 - ``"node"`` (step level): one value per non-root node, given to that node's own policy tokens
-  (``treerl``).
+  (``treerl``, and GiGPO's ``gigpo`` / ``tree_gigpo`` in :mod:`treegrpo.algos.gigpo`).
+
+An estimator may also *annotate* nodes (``annotate(forest, cfg) -> {(tree, node): {field: value}}``,
+e.g. GiGPO's ``anchor_group``): :func:`score_forest` writes those fields into ``node.extra`` (the
+forest JSON and the viewer show them) and removes every registered annotation field first.
 
 Shape suffixes follow the tinker-cookbook convention: ``rewards_G`` is a 1-D tensor with one entry
 per group member (G = leaves being normalised).
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -31,10 +35,13 @@ NodeKey = tuple[int, int]
 """(tree index in ``forest.trees``, node id)."""
 
 EstimatorFn = Callable[[Forest, "AdvantageConfig"], dict[NodeKey, float]]
+AnnotateFn = Callable[[Forest, "AdvantageConfig"], dict[NodeKey, dict[str, Any]]]
+GigpoMode = Literal["mean_norm", "mean_std_norm"]
 
 _LEVELS = ("leaf", "node")
 _SCALES = ("std", "none")
 _COMPONENTS = ("both", "intra", "inter")
+_GIGPO_MODES = ("mean_norm", "mean_std_norm")
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,14 @@ class AdvantageConfig:
             fix this regardless of the value here.
         sqrt_weighting: ``treerl``: divide by sqrt(#leaves below the node) (TreeRL); False drops it.
         local: ``treerl``: add the local term V(s) - V(parent); False keeps the global term only.
+        gamma: GiGPO: discount of the step returns (verl-agent ``algorithm.gamma``, 0.95).
+        step_advantage_w: GiGPO: weight of the step-level term (``algorithm.gigpo.step_advantage_w``).
+        mode: GiGPO: ``"mean_norm"`` (subtract the group mean) or ``"mean_std_norm"`` (and divide
+            by std + eps), for both its terms (``algorithm.gigpo.mode``).
+        enable_similarity: GiGPO: group steps whose observations are similar rather than states
+            that are identical (``algorithm.gigpo.enable_similarity``).
+        similarity_thresh: GiGPO: the ``difflib`` ratio two observations need to share a group,
+            in (0, 1) (``algorithm.gigpo.similarity_thresh``).
     """
 
     scale: Scale = "std"
@@ -58,6 +73,11 @@ class AdvantageConfig:
     components: Components = "both"
     sqrt_weighting: bool = True
     local: bool = True
+    gamma: float = 0.95
+    step_advantage_w: float = 1.0
+    mode: GigpoMode = "mean_norm"
+    enable_similarity: bool = False
+    similarity_thresh: float = 0.95
 
     def __post_init__(self) -> None:
         if self.scale not in _SCALES:
@@ -71,15 +91,28 @@ class AdvantageConfig:
                 f"AdvantageConfig.eps must be a finite number > 0 (it keeps an all-equal group's "
                 f"0 / std finite), got {self.eps!r}"
             )
+        if self.mode not in _GIGPO_MODES:
+            raise ValueError(f"AdvantageConfig.mode must be one of {_GIGPO_MODES}, got {self.mode!r}")
+        if not (isinstance(self.gamma, (int, float)) and 0.0 <= self.gamma <= 1.0):
+            raise ValueError(f"AdvantageConfig.gamma must be a number in [0, 1], got {self.gamma!r}")
+        if not (isinstance(self.step_advantage_w, (int, float)) and math.isfinite(self.step_advantage_w)):
+            raise ValueError(f"AdvantageConfig.step_advantage_w must be a finite number, got {self.step_advantage_w!r}")
+        if not (isinstance(self.similarity_thresh, (int, float)) and 0.0 < self.similarity_thresh < 1.0):
+            raise ValueError(
+                f"AdvantageConfig.similarity_thresh must be in (0, 1) (verl-agent's range), got {self.similarity_thresh!r}"
+            )
 
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator: its name, level (``"leaf"`` or ``"node"``) and function."""
+    """A registered estimator: its name, level (``"leaf"`` or ``"node"``), function, and the
+    optional node annotations it makes (``annotate``, with the ``extra`` fields it writes)."""
 
     name: str
     level: Level
     fn: EstimatorFn
+    annotate: AnnotateFn | None = None
+    annotation_fields: tuple[str, ...] = ()
 
     def __call__(self, forest: Forest, cfg: AdvantageConfig | None = None) -> dict[NodeKey, float]:
         return self.fn(forest, cfg if cfg is not None else AdvantageConfig())
@@ -88,9 +121,16 @@ class AdvantageEstimator:
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage(name: str, level: Level = "leaf") -> Callable[[EstimatorFn], EstimatorFn]:
+def register_advantage(
+    name: str,
+    level: Level = "leaf",
+    annotate: AnnotateFn | None = None,
+    annotation_fields: tuple[str, ...] = (),
+) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register ``fn(forest, cfg) -> {(tree index, node id): value}`` under ``name``.
 
+    ``annotate(forest, cfg) -> {(tree index, node id): {field: value}}`` (optional) gives the node
+    fields :func:`score_forest` writes into ``node.extra``; ``annotation_fields`` names them.
     Returns the function unchanged, so several names can be stacked on one function.
     """
     if level not in _LEVELS:
@@ -99,7 +139,7 @@ def register_advantage(name: str, level: Level = "leaf") -> Callable[[EstimatorF
     def deco(fn: EstimatorFn) -> EstimatorFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, level, fn)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, level, fn, annotate, tuple(annotation_fields))
         return fn
 
     return deco
@@ -301,13 +341,21 @@ def score_forest(forest: Forest, name: str, cfg: AdvantageConfig | None = None) 
     """Set ``node.advantage`` on every node the estimator ``name`` scores, in place.
 
     Leaf-level estimators score the leaves, node-level ones every non-root node. Every other
-    node's ``advantage`` is reset to ``None`` so that no stale value from an earlier scoring
-    remains. Returns ``forest``.
+    node's ``advantage`` is reset to ``None``, and every registered annotation field (e.g.
+    ``anchor_group``) is removed before the estimator's own annotations are written, so that no
+    stale value from an earlier scoring remains. Returns ``forest``.
     """
-    values = get_advantage_estimator(name)(forest, cfg)
+    est = get_advantage_estimator(name)
+    cfg = cfg if cfg is not None else AdvantageConfig()
+    values = est(forest, cfg)
+    notes = est.annotate(forest, cfg) if est.annotate is not None else {}
+    stale = {f for e in ADVANTAGE_ESTIMATORS.values() for f in e.annotation_fields}
     for ti, tree in enumerate(forest.trees):
         for node in tree.nodes:
             node.advantage = values.get((ti, node.id))
+            for f in stale:
+                node.extra.pop(f, None)
+            node.extra.update(notes.get((ti, node.id), {}))
     return forest
 
 

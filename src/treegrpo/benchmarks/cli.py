@@ -146,8 +146,11 @@ def bench_eptree_cmd(
 
 @bench.command("learn")
 def bench_learn_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/learn.json"), help="Results JSON (plot next to it, .png)."),
+    out: Path | None = typer.Option(None, help="Results JSON, plot next to it (.png) (default: benchmarks/results/learn.json; --gigpo: learn_gigpo.json, learn_gigpo_sql.json)."),
     quick: bool = typer.Option(False, "--quick", help="Budgets 2 and 4 (and the advantage ablation) only."),
+    gigpo: bool = typer.Option(False, "--gigpo", help="The GiGPO table instead: chain GRPO, chain GiGPO, Tree-GRPO, Tree-GRPO + GiGPO's step term at budgets 2 and 4, with GiGPO's anchor-group fractions."),
+    task: str = typer.Option("search", help="With --gigpo: search (the --regime world) | sql (the stateful SQL task)."),
+    eval_prompts: int | None = typer.Option(None, help="With --gigpo: override the held-out questions per evaluation."),
     regime: str = typer.Option("default", help="World preset + RL settings (see benchmarks/README.md)."),
     world_seed: str = typer.Option("", "--world-seed", help="Comma-separated world seeds (default: the preset's world); each gets its own starting policy."),
     seeds: int = typer.Option(3, help="RL seeds per configuration (0..K-1), paired across configurations."),
@@ -162,7 +165,8 @@ def bench_learn_cmd(
 ) -> None:
     """Chain GRPO at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L) with random and
     guided picks, plus the intra/inter advantage ablation, trained from one starting policy:
-    held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens."""
+    held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens. --gigpo: the
+    GiGPO table (chain GiGPO and Tree-GRPO + GiGPO's step term beside them), --task search | sql."""
     from treegrpo.benchmarks.learn import BUDGETS, EXPAND_MODES, REGIMES, run_bench
 
     try:
@@ -186,11 +190,27 @@ def bench_learn_cmd(
         problems.append("--seeds, --jobs, --steps, --prompts-per-step and --eval-every must be >= 1")
     if lr is not None and not lr > 0:
         problems.append("--lr must be > 0")
+    if task not in ("search", "sql"):
+        problems.append(f"--task {task!r}: choose search or sql")
+    elif task != "search" and not gigpo:
+        problems.append("--task sql needs --gigpo (the chain vs tree table on SQL is `treegrpo bench stateful`)")
+    if eval_prompts is not None and (eval_prompts < 1 or not gigpo):
+        problems.append("--eval-prompts needs --gigpo and must be >= 1")
+    if gigpo and (quick or worlds or tuple(modes) != EXPAND_MODES):
+        problems.append("--gigpo runs budgets 2,4 (or --budgets) with random picks on the regime's world: drop --quick, --world-seed and --expand-modes")
     if problems:
         typer.echo("error: " + "; ".join(problems), err=True)
         raise typer.Exit(2)
+    if gigpo:
+        from treegrpo.benchmarks.learn_gigpo import run_gigpo_bench
+
+        run_gigpo_bench(
+            out, task=task, regime=regime, seeds=seeds, jobs=jobs, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
+            eval_every=eval_every, eval_prompts=eval_prompts, budgets=budget_list or None, resume=resume,
+        )  # fmt: skip
+        return
     run_bench(
-        out, regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
+        out or Path("benchmarks/results/learn.json"), regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
         lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
         budgets=budget_list or None, resume=resume,
     )

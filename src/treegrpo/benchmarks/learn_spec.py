@@ -55,9 +55,10 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        """The configuration, without seeds: ``chain 4``, ``tree (2,2,1) random``, ``… intra_only``."""
+        """The configuration, without seeds: ``chain 4``, ``chain 4 gigpo``, ``tree (2,2,1) random``,
+        ``… intra_only``."""
         if self.mode == "chain":
-            return f"chain {self.budget}"
+            return f"chain {self.budget}" if self.advantage == "grpo" else f"chain {self.budget} {self.advantage}"
         s = f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"
         return s if self.advantage == "tree_grpo" else f"{s} {self.advantage}"
 
@@ -68,7 +69,7 @@ class RunSpec:
     def overrides(self) -> dict[str, Any]:
         """The :class:`~treegrpo.train.config.TrainConfig` fields of this run."""
         if self.mode == "chain":
-            return {"sampler": "chain", "group_size": self.budget, "advantage": "grpo", "seed": self.seed}
+            return {"sampler": "chain", "group_size": self.budget, "advantage": self.advantage, "seed": self.seed}
         return {
             "sampler": "tree",
             "m": self.m,

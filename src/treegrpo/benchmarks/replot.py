@@ -39,11 +39,18 @@ def _learn(doc: dict[str, Any], png: Path) -> None:
     plot(doc, png)
 
 
+def _learn_gigpo(doc: dict[str, Any], png: Path) -> None:
+    from treegrpo.benchmarks.learn_gigpo_report import plot
+
+    plot(doc, png)
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "budget": _budget,
     "packing": _packing,
     "eptree": _eptree,
     "learn": _learn,
+    "learn_gigpo": _learn_gigpo,
 }
 
 

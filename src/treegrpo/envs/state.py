@@ -27,6 +27,14 @@ sampler's rollout is over). A handle is never ``None``.
 
 An env that is called without ``states`` (a single-turn sampler such as ``eptree``, which never
 continues a trajectory after a tool call) starts every step from ``initial_state(task)``.
+
+**State keys** (optional, :func:`state_key`): an env may say which states are *the same*, through
+``state_key(state) -> str`` (equal strings exactly for equal states: a canonical text of the state,
+or a hash of one), or, lacking it, ``dump_state(state) -> str`` (a canonical text; the SQL and
+key-value envs have it). The loop records the key of each node's state — the state *after* its
+step, the initial state on the root — as ``node.extra["state_key"]``; GiGPO
+(:mod:`treegrpo.algos.gigpo`) groups the steps that start from the same key. Its similarity
+grouping compares the keys as texts, so a short canonical text is more useful than a hash.
 """
 
 from __future__ import annotations
@@ -75,6 +83,19 @@ class StatefulEnv(AgentEnv, Protocol):
         ...
 
 
+def state_key(env: Any, state: Any) -> str | None:
+    """The key of ``state`` (module docstring): ``env.state_key(state)``, else
+    ``env.dump_state(state)``, else ``None`` (the env does not say when two states are equal)."""
+    for name in ("state_key", "dump_state"):
+        fn = getattr(env, name, None)
+        if callable(fn):
+            key = fn(state)
+            if not isinstance(key, str):
+                raise TypeError(f"{type(env).__name__}.{name}() must return a str, got {type(key).__name__}")
+            return key
+    return None
+
+
 def state_mode(env: Any) -> StateMode:
     """``env``'s declared state mode (``"stateless"`` when it declares none).
 
@@ -93,4 +114,4 @@ def state_mode(env: Any) -> StateMode:
     return mode  # type: ignore[return-value]
 
 
-__all__ = ["STATE_MODES", "ReplayDivergence", "StateMode", "StatefulEnv", "state_mode"]
+__all__ = ["STATE_MODES", "ReplayDivergence", "StateMode", "StatefulEnv", "state_key", "state_mode"]

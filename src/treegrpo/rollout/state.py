@@ -9,6 +9,10 @@ forked), else — replay mode, or a node whose state was not kept, e.g. from an 
 ``run_turns`` call — the nearest kept ancestor's state (the initial state at the root) with the
 recorded steps of the rest of the path replayed on it. Everything is released when the rollout
 ends (:meth:`StateKeeper.release`).
+
+When the env can key its states (:func:`treegrpo.envs.state.state_key`), the keeper also writes
+each node's key into ``node.extra["state_key"]`` (the root's when a trajectory first starts there),
+in every state mode; GiGPO's anchor states are these keys.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treegrpo.envs.base import Task
-from treegrpo.envs.state import ReplayDivergence, StateMode, state_mode
-from treegrpo.tree import Tree
+from treegrpo.envs.state import ReplayDivergence, StateMode, state_key, state_mode
+from treegrpo.tree import Node, Tree
 
 
 def _short(text: str | None) -> str:
@@ -46,8 +50,16 @@ class StateKeeper:
         mode = state_mode(env)
         return None if mode == "stateless" else cls(env, mode, kept_observation)
 
+    def note_key(self, node: Node, state: Any) -> None:
+        """Write ``state``'s key (if the env has keys) into ``node.extra["state_key"]``."""
+        key = state_key(self.env, state)
+        if key is not None:
+            node.extra["state_key"] = key
+
     def record(self, tree: Tree, node_id: int, state: Any) -> None:
-        """Keep the state of node ``node_id`` (``state``, the live state right after its step)."""
+        """Keep the state of node ``node_id`` (``state``, the live state right after its step)
+        and note its key."""
+        self.note_key(tree.node(node_id), state)
         if self.mode == "replay":
             return
         handle = self.env.snapshot(state) if self.mode == "snapshot" else self.env.fork(state)
@@ -105,6 +117,8 @@ class StateKeeper:
                     "state_mode 'replay' (or provide snapshot/restore or fork)"
                 )
             history.append((nd.text, nd.observation))
+        if "state_key" not in path[-1].extra:  # the root, or a node of an earlier rollout
+            self.note_key(path[-1], state)
         return state, replayed
 
     def close(self, state: Any) -> None:

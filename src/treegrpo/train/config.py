@@ -130,7 +130,7 @@ class TrainConfig(BaseModel):
     # -- advantage and loss ------------------------------------------------------------------------
     advantage: str = Field(
         "auto",
-        description="Estimator from the registry (grpo, tree_grpo, intra_only, inter_only, treerl); auto = tree_grpo for trees, treerl for eptree, grpo for chains.",
+        description="Estimator from the registry (grpo, tree_grpo, intra_only, inter_only, treerl, gigpo, tree_gigpo); auto = tree_grpo for trees, treerl for eptree, grpo for chains.",
     )
     adv_scale: Literal["std", "none"] = Field(
         "std", description="Divide by the group std (std) or not (none, Dr. GRPO)."
@@ -141,6 +141,12 @@ class TrainConfig(BaseModel):
     adv_local: bool = Field(
         True, description="treerl: add the local term V(s) - V(parent) (False: global advantage only)."
     )
+    # GiGPO (gigpo, tree_gigpo), under verl-agent's names (algorithm.gamma, algorithm.gigpo.*: accepted as aliases)
+    gamma: float = Field(0.95, ge=0.0, le=1.0, validation_alias=AliasChoices("gamma", "algorithm.gamma"), description="gigpo, tree_gigpo: discount of the step returns (verl-agent's algorithm.gamma).")
+    step_advantage_w: float = Field(1.0, validation_alias=AliasChoices("step_advantage_w", "gigpo.step_advantage_w"), description="gigpo, tree_gigpo: weight of the step-level (anchor-state) term.")
+    gigpo_mode: Literal["mean_norm", "mean_std_norm"] = Field("mean_norm", validation_alias=AliasChoices("gigpo_mode", "gigpo.mode"), description="gigpo, tree_gigpo: mean_norm (subtract the group mean) or mean_std_norm (and divide by the std).")
+    enable_similarity: bool = Field(False, validation_alias=AliasChoices("enable_similarity", "gigpo.enable_similarity"), description="gigpo, tree_gigpo: group steps by similar observations instead of identical states.")
+    similarity_thresh: float = Field(0.95, gt=0.0, lt=1.0, validation_alias=AliasChoices("similarity_thresh", "gigpo.similarity_thresh"), description="gigpo, tree_gigpo with enable_similarity: the difflib ratio two observations need to share a group.")
     clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
     dual_clip: bool = Field(False, description="Dual clip (c=3) for negative advantages.")
@@ -384,13 +390,13 @@ def single_leaf_groups(cfg: TrainConfig) -> str | None:
     are judged.
     """
     est = cfg.estimator
-    builtin = ("grpo", "inter_only", "tree_grpo", "intra_only", "treerl")
+    builtin = ("grpo", "inter_only", "tree_grpo", "intra_only", "treerl", "gigpo", "tree_gigpo")
     if cfg.trajectories_per_prompt() == 1 and est in builtin:
         return (
             f"{cfg.sampler} sampler with one trajectory per prompt: every {est} group has a single leaf, "
             "so its advantage has no baseline (raise group_size / M / N·L)"
         )
-    if est in ("tree_grpo", "intra_only"):
+    if est in ("tree_grpo", "intra_only", "tree_gigpo"):
         branches = cfg.t if cfg.sampler == "eptree" else 1
         per_tree = 1 if cfg.sampler == "chain" else 1 + cfg.n * cfg.l * branches
         if per_tree == 1:

@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
+from treegrpo.algos.gigpo import shared_anchor_stats
 from treegrpo.algos.losses import LossConfig
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
@@ -46,6 +47,9 @@ from treegrpo.train.schedule import lr_at, set_lr
 from treegrpo.train.setup import RunParts, build_run
 from treegrpo.train.update import Reference, update
 from treegrpo.tree import write_forests
+
+GIGPO_ESTIMATORS = ("gigpo", "tree_gigpo")
+"""Estimators whose runs log GiGPO's anchor diagnostic (``gigpo/shared_anchor_frac``, ``gigpo/anchor_group_size``)."""
 
 
 @dataclass
@@ -228,6 +232,9 @@ def train(
                 n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
             )
             metrics.update(rollout_metrics(everything, n_traj))
+            if estimator in GIGPO_ESTIMATORS:  # GiGPO's own diagnostic: steps that have anchor-state peers
+                anchors = shared_anchor_stats(everything.forests, adv_cfg)
+                metrics.update({"gigpo/shared_anchor_frac": anchors["shared_frac"], "gigpo/anchor_group_size": anchors["group_size"]})
             metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
             metrics.update({"time/rollout_s": dt_roll, "time/update_s": dt_upd})
             metrics.update({"time/rollout_cpu_s": cpu_roll, "time/update_cpu_s": cpu_upd})  # slowest rank
@@ -272,8 +279,17 @@ def train(
 
 
 def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
-    """The advantage estimator's settings of a run."""
-    return AdvantageConfig(scale=cfg.adv_scale, sqrt_weighting=cfg.adv_sqrt_weighting, local=cfg.adv_local)
+    """The estimators' options of a run (``adv_*`` fields; GiGPO's under verl-agent's names)."""
+    return AdvantageConfig(
+        scale=cfg.adv_scale,
+        sqrt_weighting=cfg.adv_sqrt_weighting,
+        local=cfg.adv_local,
+        gamma=cfg.gamma,
+        step_advantage_w=cfg.step_advantage_w,
+        mode=cfg.gigpo_mode,
+        enable_similarity=cfg.enable_similarity,
+        similarity_thresh=cfg.similarity_thresh,
+    )
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:

@@ -129,7 +129,9 @@ def _row(forest: Forest, step: int | None, pos: int) -> dict[str, Any]:
     advs = [n.advantage for t in forest.trees for n in t.nodes if n.advantage is not None]
     q = forest.extra.get("question")
     token_tree = any("round" in n.extra for t in forest.trees for n in t.nodes)
+    anchors = _anchor_summary(forest)
     return {
+        **anchors,
         "i": pos,
         "step": step,
         "prompt_id": forest.prompt_id,
@@ -142,6 +144,20 @@ def _row(forest: Forest, step: int | None, pos: int) -> dict[str, Any]:
         "adv_absmax": max((abs(a) for a in advs), default=0.0),
         "token_tree": token_tree,
         "budget": forest_budget(forest),
+    }
+
+
+def _anchor_summary(forest: Forest) -> dict[str, Any]:
+    """For a forest scored with GiGPO (nodes carry ``anchor_group``, :mod:`treegrpo.algos.gigpo`):
+    ``anchor_groups``, the number of anchor groups that hold more than one step, and
+    ``anchor_shared``, the fraction of steps in them. Nothing for any other forest."""
+    steps = [n for t in forest.trees for n in t.nodes if n.parent is not None and "anchor_group" in n.extra]
+    if not steps:
+        return {}
+    shared = [n for n in steps if int(n.extra.get("anchor_size", 1)) > 1]
+    return {
+        "anchor_groups": len({n.extra["anchor_group"] for n in shared}),
+        "anchor_shared": round(len(shared) / len(steps), 4),
     }
 
 

@@ -51,6 +51,9 @@
   const rewardColor = (r, lo, hi) => mix(R0, R1, hi > lo ? (r - lo) / (hi - lo) : 0);
   const logpColor = (lp) => mix([255, 255, 255], [165, 0, 38], Math.min(1, -lp / 5));
   const entColor = (e, m) => mix([255, 255, 255], [84, 39, 143], m > 0 ? e / m : 0);
+  const ANCHOR = ["#e6550d", "#31a354", "#756bb1", "#de2d26", "#3182bd", "#636363", "#d6616b", "#8c6d31", "#17becf", "#bcbd22"];
+  const anchorOf = (n) => (n.extra && n.extra.anchor_group !== undefined ? n.extra.anchor_group : undefined);
+  const anchorColor = (g) => ANCHOR[g % ANCHOR.length];
 
   // -- header and navigation ------------------------------------------------------------------------
   function header() {
@@ -133,6 +136,7 @@
     else if (b.context_tokens !== undefined) chips.push("prefill ≤ " + int(b.context_tokens) + " tok (context read, no prefix reuse)");
     chips.push("tool calls " + int(b.tool_calls));
     if (b.engine_requests !== undefined) chips.push("engine requests " + int(b.engine_requests));
+    if (row.anchor_groups !== undefined) chips.push("GiGPO anchor groups " + row.anchor_groups + " shared · " + fmt(100 * row.anchor_shared, 0) + "% of steps");
     const answers = (doc.extra || {}).answers;
     const box = $("budget");
     box.replaceChildren(el("span", { class: "q" }, row.prompt_id + (row.question ? " · " + row.question : "")),
@@ -140,14 +144,15 @@
       Array.isArray(answers) ? el("span", { class: "chip" }, "gold: " + answers.join(" | ")) : null);
   }
 
-  function legend(m, lo, hi, tokenTree) {
+  function legend(m, lo, hi, tokenTree, anchors) {
     const g1 = el("span", { class: "grad" }), g2 = el("span", { class: "grad" });
     g1.style.background = "linear-gradient(90deg," + advColor(-1, 1) + "," + advColor(0, 1) + "," + advColor(1, 1) + ")";
     g2.style.background = "linear-gradient(90deg," + rewardColor(lo, lo, hi) + "," + rewardColor(hi, lo, hi) + ")";
     $("legend").replaceChildren(
       el("span", {}, "● node: advantage ", fmt(-m, 2), g1, fmt(m, 2), " (white: not scored)"),
       el("span", {}, "■ leaf: reward ", fmt(lo, 1), g2, fmt(hi, 1), " (ring: advantage)"),
-      tokenTree ? el("span", {}, "token segments; number = round; dashed ring = fork point") : el("span", {}, "S search · A answer · ! invalid"));
+      tokenTree ? el("span", {}, "token segments; number = round; dashed ring = fork point") : el("span", {}, "S search · A answer · ! invalid"),
+      anchors ? el("span", { id: "anchor-legend" }, "◯ coloured ring + g#: GiGPO anchor group (steps from one state; " + anchors + " shared); click a node to mark its group") : null);
   }
 
   // -- drawing one forest -----------------------------------------------------------------------------
@@ -190,8 +195,10 @@
       if (n.advantage !== undefined) m = Math.max(m, Math.abs(n.advantage));
       if (n.reward !== undefined) { lo = Math.min(lo, n.reward); hi = Math.max(hi, n.reward); }
     }
+    const shared = new Set();
+    for (const t of doc.trees) for (const n of t.nodes) if (anchorOf(n) !== undefined && (n.extra.anchor_size || 1) > 1) shared.add(anchorOf(n));
     budgetLine(row, doc);
-    legend(m, lo, hi, tokenTree);
+    legend(m, lo, hi, tokenTree, shared.size);
     const lays = doc.trees.map(layoutTree);
     const depth = Math.max(1, ...doc.trees.flatMap((t) => t.nodes.map((n) => n.depth)));
     const width = lays.reduce((s, l) => s + l.width, 0) * DX + (lays.length - 1) * DX + 2 * PAD;
@@ -219,6 +226,8 @@
         const leaf = !L.kids.get(n.id).length && n.parent !== null && n.parent !== undefined;
         const isRoot = n.parent === null || n.parent === undefined;
         const ng = sv("g", { class: "node", "data-tree": ti, "data-node": n.id, tabindex: 0 });
+        const ag = anchorOf(n);
+        if (ag !== undefined) ng.setAttribute("data-anchor", ag);
         let shape;
         if (isRoot) shape = sv("rect", { x: x - R, y: y - R, width: 2 * R, height: 2 * R, rx: 3, fill: "#3c4043", stroke: "#3c4043" });
         else if (leaf) shape = sv("rect", { x: x - R, y: y - R, width: 2 * R, height: 2 * R, fill: rewardColor(n.reward ?? 0, lo, hi), stroke: n.advantage === undefined ? "#777" : advColor(n.advantage, m), "stroke-width": n.advantage === undefined ? 1 : 3 });
@@ -226,6 +235,12 @@
         shape.classList.add("shape");
         ng.append(shape);
         if (forks.has(n.id)) ng.append(sv("circle", { cx: x, cy: y, r: R + 4, class: "fork" }));
+        if (ag !== undefined && shared.has(ag)) {
+          ng.append(sv("circle", { cx: x, cy: y, r: R + 4, class: "anchor", stroke: anchorColor(ag) }));
+          const al = sv("text", { x: x + R + 3, y: y - R, class: "albl", fill: anchorColor(ag) });
+          al.textContent = "g" + ag;
+          ng.append(al);
+        }
         const t = sv("text", { x, y, fill: isRoot ? "#fff" : "#222" });
         t.textContent = nodeLabel(n, tokenTree);
         ng.append(t);
@@ -235,7 +250,7 @@
           ng.append(lb);
         }
         const tip = sv("title");
-        tip.textContent = "node " + n.id + (n.advantage !== undefined ? " · A " + fmt(n.advantage) : "") + (n.reward !== undefined ? " · r " + fmt(n.reward, 2) : "");
+        tip.textContent = "node " + n.id + (n.advantage !== undefined ? " · A " + fmt(n.advantage) : "") + (n.reward !== undefined ? " · r " + fmt(n.reward, 2) : "") + (ag !== undefined ? " · anchor g" + ag : "");
         ng.append(tip);
         ng.addEventListener("click", () => selectNode(ti, n.id));
         ng.addEventListener("keydown", (e) => { if (e.key === "Enter") selectNode(ti, n.id); });
@@ -273,6 +288,10 @@
     for (const e of document.querySelectorAll("#canvas .node.sel")) e.classList.remove("sel");
     const g = document.querySelector('#canvas g.node[data-tree="' + ti + '"][data-node="' + id + '"]');
     if (g) g.classList.add("sel");
+    for (const e of document.querySelectorAll("#canvas .node.anchor-on")) e.classList.remove("anchor-on");
+    const ag = anchorOf(n);
+    const peers = ag === undefined ? [] : document.querySelectorAll('#canvas g.node[data-anchor="' + ag + '"]');
+    for (const e of peers) e.classList.add("anchor-on");
     const x = n.extra || {};
     const isRoot = n.parent === null || n.parent === undefined;
     const kids = tree.nodes.filter((k) => k.parent === id).length;
@@ -282,6 +301,7 @@
       ["reward", n.reward === undefined ? undefined : fmt(n.reward)], ["advantage", n.advantage === undefined ? undefined : fmt(n.advantage, 4)],
       ["tokens", n.n_policy + " policy / " + n.n_tokens + " total"], ["context before", int(context) + " tok"],
       ["depth", n.depth], ["children", kids || (isRoot ? 0 : "leaf")],
+      ["anchor group", ag === undefined ? undefined : "g" + ag + " · " + (x.anchor_size || peers.length) + " step" + ((x.anchor_size || peers.length) === 1 ? "" : "s") + " from this state"],
       ["tool call", x.kind === "search" && n.observation !== undefined && !x.refused ? "yes (" + (x.query || "") + ")" : undefined],
     ].filter((r) => r[1] !== undefined && r[1] !== null);
     const table = el("table", {}, ...rows.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, String(v)))));
@@ -298,7 +318,7 @@
       out.push(el("h3", {}, "Entropy per policy token"), strip(n.entropy, (v) => entColor(v, em), "entropy"),
         el("div", { class: "stat" }, "mean " + fmt(n.entropy.reduce((a, b) => a + b, 0) / n.entropy.length) + " · max " + fmt(em)));
     }
-    const known = new Set(["kind", "turn", "round", "finish_reason", "query"]);
+    const known = new Set(["kind", "turn", "round", "finish_reason", "query", "anchor_group", "anchor_size"]);
     const rest = Object.entries(x).filter(([k]) => !known.has(k));
     if (rest.length) out.push(el("h3", {}, "Other fields"), el("table", {}, ...rest.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, typeof v === "string" ? v : JSON.stringify(v))))));
     if (path.length > 1) {
