@@ -101,7 +101,11 @@ class TrainConfig(BaseModel):
     fork_score: Literal["logp", "entropy", "random"] = Field(
         "logp", description="EPTree: fork at the tokens with the highest -log p, entropy, or at random."
     )
-    max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
+    max_turns: int = Field(
+        4,
+        ge=0,
+        description="Turns with search allowed; then one final turn without (0: single-turn, the first step must answer, e.g. passages given in the prompt).",
+    )
     max_step_tokens: int = Field(48, ge=1, description="Per-step generation cap (tokens).")
     max_obs_tokens: int = Field(
         600,
