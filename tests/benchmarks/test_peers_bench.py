@@ -81,6 +81,9 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
         assert r["step_wall_s"][0] > 0 and r["rollout_cpu_s"][0] > 0 and r["update_cpu_s"][0] > 0
         assert 0 < r["generated_tokens"][0] <= r["trajectories"][0] * 12 * 2  # multi-turn: 2 turns of <= 12
         assert r["trained_tokens"][0] > r["generated_tokens"][0] and r["peak_rss_gb"] > 0.1
+        assert (
+            r["process_peak_rss_gb"] >= r["peak_rss_gb"] * 0.999
+        )  # training's high-water mark <= the process's
         assert r["settings"]["model_dir"] == str(bench["spec"].model) and r["settings"]["threads"] == 1
         assert r["settings"]["versions"]["torch"] and r["settings"]["versions"]["transformers"]
     assert rows["single_turn/trl"]["settings"]["versions"]["trl"]
@@ -189,6 +192,9 @@ def test_medians_drop_the_first_step_and_checks_compare_the_rows() -> None:
         and got["single_turn_cpu_per_token_met"]
     )
     assert got["single_turn_peak_rss_ratio"] == 0.5 and got["single_turn_peak_rss_met"]
+    assert got["single_turn_cpu_per_trajectory_ratio"] == pytest.approx(
+        (0.5 + 0.75) / (3.0 + 3.0)
+    )  # per 4 traj
 
 
 def test_job_configs_set_only_what_the_bench_owns(smollm2_2layer_dir: Path, tmp_path: Path) -> None:

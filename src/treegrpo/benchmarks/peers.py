@@ -15,8 +15,10 @@ on generated tokens; AdamW at the same constant lr; no KL; the loss aggregation 
   needs a chat template that renders tool calls; the TRL row probes this at run time and the
   results record the error (``not_run``).
 
-Rows (:data:`ROWS`) run one at a time, each in its own process (peak RSS per row), with the same
-seed and torch threads; a row finished with the same settings is reused (``work/rows/<row>/``), so
+Rows (:data:`ROWS`) run one at a time, each in its own process, with the same seed and torch
+threads; a row's ``peak_rss_gb`` is its process's high-water mark when training ends (before the
+evaluation after, which every row runs with the same code), ``process_peak_rss_gb`` the whole
+process's; a row finished with the same settings is reused (``work/rows/<row>/``), so
 an interrupted run resumes at the row it was in. Held-out EM (greedy, ``eval_prompts`` questions)
 before and after is measured by treegrpo's evaluation for every row (TRL's saved model is loaded
 back and evaluated by the same code). The per-step lists are kept so the table can be recomputed;
@@ -296,7 +298,7 @@ def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str,
         raise RuntimeError(f"bench peers: row {task['name']} failed (rc {got['rc']}); its log ends:\n{tail}")
     row = {
         **json.loads((folder / "row.json").read_text()),
-        "peak_rss_gb": got["peak_rss_gb"],
+        "process_peak_rss_gb": got["peak_rss_gb"],  # the whole process, its evaluation included
         "process_wall_s": got["wall_s"],
     }
     atomic_write_json(done, {"key": key, "row": row})

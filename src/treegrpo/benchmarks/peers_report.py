@@ -5,8 +5,9 @@ warm-up; with one step it is kept): wall seconds per step, rollout and update CP
 generated tokens per rollout CPU-second, trained tokens per update CPU-second (the tokens of the
 training sequences, every trajectory with its prompt: the same work on both sides; ``computed_tokens``
 is what each update's forward ran: TRL's padded batch, treegrpo's packed rows), CPU seconds
-(rollout + update) per generated token, trajectories per 1k generated tokens; plus peak RSS and the
-held-out EM before and after.
+(rollout + update) per generated token and per trajectory (the same number of trajectories on both
+sides of the single-turn job, whatever each generates after the answer), trajectories per 1k
+generated tokens; plus peak RSS (training) and the held-out EM before and after.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "trained_tokens_per_cpu_s": steps_median([_ratio(r["trained_tokens"][i], upd[i]) for i in per]),
             "cpu_s_per_generated_token": steps_median([_ratio(roll[i] + upd[i], gen[i]) for i in per]),
             "trajectories_per_1k_tokens": steps_median([_ratio(1000.0 * r["trajectories"][i], gen[i]) for i in per]),
+            "cpu_s_per_trajectory": steps_median([_ratio(roll[i] + upd[i], r["trajectories"][i]) for i in per]),
             "peak_rss_gb": r["peak_rss_gb"],
             "em_before": r["em_before"],
             "em_after": r["em_after"],
@@ -73,6 +75,9 @@ def checks(table: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rss = _ratio(chain["peak_rss_gb"], trl["peak_rss_gb"])
         out["single_turn_cpu_per_token_ratio"] = cpu
         out["single_turn_cpu_per_token_met"] = cpu <= TARGETS["single_turn_cpu_per_token_ratio_max"]
+        out["single_turn_cpu_per_trajectory_ratio"] = _ratio(
+            chain["cpu_s_per_trajectory"], trl["cpu_s_per_trajectory"]
+        )
         out["single_turn_peak_rss_ratio"] = rss
         out["single_turn_peak_rss_met"] = rss <= TARGETS["single_turn_peak_rss_ratio_max"]
     out["multi_turn_traj_per_1k_ratio"] = None  # TRL has no multi-turn row (see not_run)
@@ -85,19 +90,19 @@ def checks(table: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The README table of a results JSON."""
-    head = (
-        "| job | system | sampler | wall s/step | rollout CPU-s | update CPU-s | gen tok/CPU-s | trained tok/CPU-s "
-        "| computed/trained tok | CPU-ms/gen tok | traj/1k tok | peak RSS GB | EM before → after |\n|"
-        + "---|"
-        * 13
-    )
+    cols = (
+        "job", "system", "sampler", "wall s/step", "rollout CPU-s", "update CPU-s", "gen tok/CPU-s", "trained tok/CPU-s",
+        "computed/trained tok", "CPU-ms/gen tok", "CPU-s/traj", "traj/1k tok", "peak RSS GB", "EM before → after",
+    )  # fmt: skip
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [head]
     for t in results["table"]:
         lines.append(
             f"| {t['job']} | {t['system']} | {t['sampler']} | {t['step_wall_s']:.1f} | {t['rollout_cpu_s']:.1f} | "
             f"{t['update_cpu_s']:.1f} | {t['generated_tokens_per_cpu_s']:.1f} | {t['trained_tokens_per_cpu_s']:.0f} | "
             f"{t['computed_tokens'] / max(t['trained_tokens'], 1):.2f} | "
-            f"{1000 * t['cpu_s_per_generated_token']:.0f} | {t['trajectories_per_1k_tokens']:.1f} | {t['peak_rss_gb']:.2f} | "
+            f"{1000 * t['cpu_s_per_generated_token']:.0f} | {t['cpu_s_per_trajectory']:.2f} | "
+            f"{t['trajectories_per_1k_tokens']:.1f} | {t['peak_rss_gb']:.2f} | "
             f"{t['em_before']:.3f} → {t['em_after']:.3f} |"
         )
     return "\n".join(lines)

@@ -89,6 +89,9 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
         "trajectories": [int(m["rollout/trajectories"]) for m in steps],
         "tool_calls": [int(m["budget/tool_calls"]) for m in steps],
         "reward_mean": [m["reward/mean"] for m in steps],
+        "peak_rss_gb": steps[-1][
+            "mem/peak_rss_gb"
+        ],  # the high-water mark after the last update, before its evaluation
         "eval_before": summary.eval_start,
         "eval_after": summary.eval_end,
         "em_before": summary.eval_start["eval/success_greedy"],

@@ -36,6 +36,7 @@ import torch
 
 from treegrpo.tasks.datafile import search_env, split_tasks
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.metrics import peak_rss_gb
 
 
 def trl_args(cfg: TrainConfig, loss_type: str, out_dir: Path, generation_batch: int) -> Any:
@@ -189,6 +190,7 @@ def trl_row(
     timed = clock.wrap(trainer._generate_and_score_completions, cfg.group_size)
     trainer._generate_and_score_completions = timed  # type: ignore[method-assign]
     trainer.train()
+    peak_train = peak_rss_gb()  # the high-water mark of training, before the probes and the evaluation
     trainer.save_model(str(out / "model"))
     dumped = json.loads(json.dumps(trainer.args.to_dict(), default=str))
     del trainer
@@ -211,6 +213,7 @@ def trl_row(
         "trajectories": [r["completions"] for r in rolls],
         "tool_calls": [0 for _ in rolls],
         "reward_mean": rewards,
+        "peak_rss_gb": peak_train,
         "eval_before": task["eval_start"],
         "eval_after": eval_after,
         "em_before": task["eval_start"]["eval/success_greedy"],
