@@ -93,17 +93,23 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
     assert rows["single_turn/trl"]["eval_after"].keys() == rows["single_turn/chain"]["eval_after"].keys()
     assert [t["name"] for t in res["table"]] == [r["name"] for r in res["rows"]]
     assert {"single_turn_cpu_per_token_ratio", "single_turn_peak_rss_ratio"} <= set(res["checks"])
-    assert res["provenance"]["model_hash"].startswith("sha256:") and res["differences"]
+    assert res["provenance"]["model_hash"].startswith("sha256:") and res["settings"]["differences"]
+    shared = res["settings"]["shared"]
+    assert shared["single_turn"]["group_size"] == 4 and shared["single_turn"]["max_new_tokens"] == 12
+    assert shared["single_turn"]["lr"] == 1e-5 and shared["single_turn"]["threads"] == 1
+    assert shared["multi_turn"]["group_size"] == {"multi_turn/chain": 4, "multi_turn/tree_2_2_1": 6}
 
 
-def test_trl_cannot_stop_at_the_tag_nor_take_tools_with_this_template(bench: dict[str, Any]) -> None:
-    """The two limits the results state are probed on the installed versions, not assumed."""
+def test_trl_limits_are_probed_on_the_installed_versions(bench: dict[str, Any]) -> None:
+    """What the results state about TRL (no stop strings, no tools with this template, every position
+    through its LM head on a CPU) is probed on the installed versions, not assumed."""
     probes = bench["rows"]["single_turn/trl"]["settings"]["probes"]
     assert (
         probes["stop_strings"]["error"].startswith("ValueError")
         and "tokenizer" in probes["stop_strings"]["error"]
     )
     assert probes["tools"]["supports_tool_calling"] is False and "tool calling" in probes["tools"]["error"]
+    assert probes["lm_head"]["compact"] is False and probes["lm_head"]["chunk_positions"] >= 1024  # on a CPU
     (not_run,) = bench["res"]["not_run"]
     assert (not_run["system"], not_run["job"], not_run["error"]) == (
         "trl",
@@ -192,9 +198,8 @@ def test_medians_drop_the_first_step_and_checks_compare_the_rows() -> None:
         and got["single_turn_cpu_per_token_met"]
     )
     assert got["single_turn_peak_rss_ratio"] == 0.5 and got["single_turn_peak_rss_met"]
-    assert got["single_turn_cpu_per_trajectory_ratio"] == pytest.approx(
-        (0.5 + 0.75) / (3.0 + 3.0)
-    )  # per 4 traj
+    # per trajectory (4 a step): chain (2/4, 3/4), TRL (10/4, 12/4): medians 0.625 and 2.75
+    assert got["single_turn_cpu_per_trajectory_ratio"] == pytest.approx(0.625 / 2.75)
 
 
 def test_job_configs_set_only_what_the_bench_owns(smollm2_2layer_dir: Path, tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treegrpo.benchmarks.peers_report import checks, plot, summarize
+from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
 from treegrpo.benchmarks.provenance import model_hash, provenance
 from treegrpo.benchmarks.real_costs import run_measured
 from treegrpo.envs.base import Task
@@ -98,8 +98,11 @@ DIFFERENCES: list[dict[str, str]] = [
      "std unbiased", "why": "each library's constant; equal when std = 0 (advantage 0) and within 1e-4 relative otherwise"},
     {"setting": "AdamW implementation", "trl": "optim=adamw_torch_fused (its default)", "treegrpo": "torch.optim.AdamW",
      "why": "the same update (betas 0.9/0.999, eps 1e-8, weight decay 0); each library's default kernel"},
-    {"setting": "log-probs in the update", "trl": "transformers' fused LM head over the completion positions",
-     "treegrpo": "LM head + log-softmax in chunks of 1024 positions", "why": "each library's own memory saving; same values"},
+    {"setting": "log-probs in the update", "trl": "its fused LM head (trl/trainer/utils.py add_fused_lm_head): off "
+     "CUDA/XPU (no Triton) it scores every prompt and completion position, in chunks of 32768 positions (one chunk "
+     "here: full-vocabulary logits of the whole batch at once); probed per run: settings.probes.lm_head",
+     "treegrpo": "LM head + log-softmax over the policy positions, in chunks of 1024 positions",
+     "why": "each library's own code, not a setting (GRPOConfig has no knob for either); the same values"},
     {"setting": "set on TRL to match (its defaults differ)", "trl": "lr_scheduler_type=constant, bf16=False, "
      "shuffle_dataset=False, beta=0, loss_type as LOSS_PAIRS, one optimizer step per generation batch",
      "treegrpo": "constant lr, float32, the seed's prompt order, kl_coef=0", "why": "the same job: TRL's defaults "
@@ -352,8 +355,7 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "rows": rows,
         "table": table,
         "not_run": not_run,
-        "differences": DIFFERENCES,
-        "loss_pairs": LOSS_PAIRS,
+        "settings": {"shared": shared_settings(rows), "differences": DIFFERENCES, "loss_pairs": LOSS_PAIRS},
         "prompts": {job: jobs[job]["prompts"] for job in spec.jobs},
         "eval_before": evals,
         "checks": checks(table),

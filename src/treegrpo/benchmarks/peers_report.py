@@ -61,6 +61,24 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: The settings every row records (``settings``) that both sides must share on a job.
+SHARED = ("model_dir", "group_size", "max_new_tokens", "lr", "seed", "threads", "versions")
+
+
+def shared_settings(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per job, each :data:`SHARED` setting as the rows recorded it: the value when every row of
+    the job agrees, else ``{row: value}`` (Tree-GRPO's group is its trajectories per prompt)."""
+    out: dict[str, dict[str, Any]] = {}
+    for job in dict.fromkeys(r["job"] for r in rows):
+        mine = [r for r in rows if r["job"] == job]
+        out[job] = {}
+        for key in SHARED:
+            values = {r["name"]: r["settings"].get(key) for r in mine}
+            same = all(v == next(iter(values.values())) for v in values.values())
+            out[job][key] = next(iter(values.values())) if same else values
+    return out
+
+
 def _line(table: Sequence[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((t for t in table if t["name"] == name), None)
 

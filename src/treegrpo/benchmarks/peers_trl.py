@@ -111,6 +111,19 @@ def probe_stop_strings(model: Any) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
 
 
+def probe_lm_head(device: str) -> dict[str, Any]:
+    """How TRL's fused LM head scores the update's positions on ``device``: only the completion
+    positions (``compact``: where Triton runs, CUDA/XPU) or every prompt and completion position,
+    in chunks of ``chunk_positions`` (trl/trainer/utils.py ``add_fused_lm_head``)."""
+    from trl.kernels.chunked_logprob import _use_triton
+    from trl.trainer import utils
+
+    return {
+        "compact": bool(_use_triton(torch.device(device))),
+        "chunk_positions": utils._CHUNKED_LOGPROB_CHUNK_SIZE,
+    }
+
+
 def probe_tools(model: Any, tok: Any, args: Any, dataset: Any, retriever: Any, topk: int) -> dict[str, Any]:
     """Whether ``GRPOTrainer`` accepts ``tools=[search]`` (our retriever as the tool) with this
     model's chat template: ``{"error": None | str, "supports_tool_calling": bool}``."""
@@ -233,6 +246,10 @@ def trl_row(
             "seed": dumped["seed"],
             "prompt_ids": [list(step) for step in order],
             "trl_config": dumped,
-            "probes": {"stop_strings": stop_probe, "tools": tools_probe},
+            "probes": {
+                "stop_strings": stop_probe,
+                "tools": tools_probe,
+                "lm_head": probe_lm_head(cfg.device),
+            },
         },
     }
