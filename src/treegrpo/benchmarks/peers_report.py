@@ -149,7 +149,7 @@ def plot(results: dict[str, Any], png: Path) -> None:
     ax = axes[1]
     ax.bar(xs, [t["peak_rss_gb"] for t in table], color="C2")
     ax.set_xticks(xs, names)
-    ax.set_ylabel("peak RSS of the row's process, GB")
+    ax.set_ylabel("peak RSS while training, GB")
     ax.set_title("memory")
     ax = axes[2]
     ax.bar([x - 0.2 for x in xs], [t["em_before"] for t in table], 0.4, label="before")
