@@ -254,3 +254,17 @@ def test_forests_round_trip_json(tok, tmp_path: Path) -> None:
     back = read_forests(tmp_path / "f.jsonl")
     assert [f.to_json() for f in back] == [f.to_json() for f in res.forests]
     assert isinstance(back[0], Forest) and back[0].paths()[0].tokens_T == res.forests[0].paths()[0].tokens_T
+
+
+def test_max_turns_zero_is_single_turn(tok) -> None:
+    """max_turns=0: the first step is the last — an answer is scored, a search is refused (no tool
+    call, reward 0), and nothing is generated after it."""
+    policy = {"q0": "<answer> paris </answer>", "q1": "<search> capital italy </search>"}
+    runner, engine = make_runner(tok, lambda ctx, draw: policy["q0" if "france" in ctx else "q1"], max_turns=0)
+    res = sample_chains(runner, TASKS, SamplerConfig("chain", group_size=2), random.Random(0), torch.Generator())
+    assert len(engine.calls) == 1  # one turn for every trajectory
+    leaves = [[leaf for _, leaf in f.leaves()] for f in res.forests]
+    assert [[leaf.reward for leaf in ls] for ls in leaves] == [[1.0, 1.0], [0.0, 0.0]]
+    assert [leaf.extra["kind"] for leaf in leaves[1]] == ["search", "search"]
+    assert all(leaf.extra.get("refused") and leaf.observation is None for leaf in leaves[1])
+    assert res.total().tool_calls == 0

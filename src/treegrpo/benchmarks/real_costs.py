@@ -38,14 +38,35 @@ MODES: dict[str, list[str]] = {
     "lora": ["--set", "packing=on", "--set", "lora_rank=16"],
 }
 
-# Runs in a fresh interpreter: start the trainer as its child, report that child's peak RSS.
+# Runs in a fresh interpreter: start the command as its child (its stdout joins stderr, so the last
+# stdout line is this report), report that child's peak RSS.
 _MIDDLE = """
 import json, resource, subprocess, sys, time
 t = time.perf_counter()
-rc = subprocess.run(json.loads(sys.argv[1])).returncode
+rc = subprocess.run(json.loads(sys.argv[1]), stdout=sys.stderr.fileno()).returncode
 peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
 print(json.dumps({"rc": rc, "peak_kb": peak_kb, "wall_s": time.perf_counter() - t}))
 """
+
+
+def run_measured(cmd: list[str], log: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in a process of its own (the child of a fresh middle process, so no other run
+    shares its maximum): ``{"rc", "peak_rss_gb", "wall_s", "stderr"}``. The command's output goes to
+    ``log`` when given (``stderr`` is then ``""``), else it is captured into ``stderr``."""
+    middle = [sys.executable, "-c", _MIDDLE, json.dumps(cmd)]
+    if log is None:
+        res = subprocess.run(middle, capture_output=True, text=True, check=False)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as fh:
+            res = subprocess.run(middle, stdout=subprocess.PIPE, stderr=fh, text=True, check=False)
+    got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
+    return {
+        "rc": got.get("rc", 1),
+        "peak_rss_gb": got.get("peak_kb", 0) / 2**20,
+        "wall_s": got.get("wall_s", 0.0),
+        "stderr": res.stderr or "",
+    }
 
 
 def _generated(new_ids: list[int], stop_ids: set[int], tok: Any, stops: tuple[str, ...]) -> int:
@@ -122,11 +143,10 @@ def step_costs(
             out[mode] = prev["row"]
             log(f"  {mode}: reusing {done}")
             continue
-        res = subprocess.run([sys.executable, "-c", _MIDDLE, json.dumps(cmd)], capture_output=True, text=True, check=False)
-        got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
-        row: dict[str, float] = {"peak_rss_gb": got.get("peak_kb", 0) / 2**20, "wall_s": got.get("wall_s", 0.0)}
-        if got.get("rc", 1) != 0:
-            raise RuntimeError(f"bench real: the {mode} step failed:\n{res.stderr[-2000:]}")
+        got = run_measured(cmd)
+        row: dict[str, float] = {"peak_rss_gb": got["peak_rss_gb"], "wall_s": got["wall_s"]}
+        if got["rc"] != 0:
+            raise RuntimeError(f"bench real: the {mode} step failed:\n{got['stderr'][-2000:]}")
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
         for k in ("time/update_s", "time/rollout_s", "update/packed", "rollout/trajectories"):
             if rows and k in rows[-1]:

@@ -199,27 +199,35 @@ def _unique_ids(tasks: list[Task]) -> list[Task]:
     return tasks
 
 
-def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
-    """The questions of ``cfg.data`` (held-out: ``cfg.eval_data`` or the file's last slice) and a
-    search env over the configured retriever; the prompt template defaults to ``minimal`` for the
-    tiny agent and ``search_r1`` otherwise."""
+def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
+    """The training and held-out questions of ``cfg.data``: a built-in set's own split, ``cfg.eval_data``
+    when given, else the file's last slice held out (``max(1, min(eval_prompts, n // 5))`` questions)."""
     if cfg.data in BUILTIN_QUESTION_SETS:  # a built-in set comes with its own held-out split
         tasks = BUILTIN_QUESTION_SETS[cfg.data]("train")
         eval_tasks = load_tasks(cfg.eval_data) if cfg.eval_data else BUILTIN_QUESTION_SETS[cfg.data]("eval")
-    elif cfg.eval_data:
-        tasks, eval_tasks = load_tasks(cfg.data), load_tasks(cfg.eval_data)  # type: ignore[arg-type]
-    else:  # hold out the last slice of the data
-        tasks = load_tasks(cfg.data)  # type: ignore[arg-type]
-        k = max(1, min(cfg.eval_prompts, len(tasks) // 5))
-        if len(tasks) < 2:
-            raise ConfigError(f"{cfg.data}: needs at least 2 questions to hold some out, or pass --eval-data")
-        tasks, eval_tasks = tasks[:-k], tasks[-k:]
-    template = (
-        cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if model.is_tiny else "search_r1")
-    )
+        return tasks, eval_tasks
+    if cfg.eval_data:
+        return load_tasks(cfg.data), load_tasks(cfg.eval_data)  # type: ignore[arg-type]
+    tasks = load_tasks(cfg.data)  # type: ignore[arg-type]  # hold out the last slice of the data
+    k = max(1, min(cfg.eval_prompts, len(tasks) // 5))
+    if len(tasks) < 2:
+        raise ConfigError(f"{cfg.data}: needs at least 2 questions to hold some out, or pass --eval-data")
+    return tasks[:-k], tasks[-k:]
+
+
+def search_env(cfg: TrainConfig, tiny: bool) -> SearchEnv:
+    """The search env of ``cfg`` over its retriever; the prompt template defaults to ``minimal`` for
+    the tiny agent (``tiny``) and ``search_r1`` otherwise."""
+    template = cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if tiny else "search_r1")
     retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url, allow_offline=cfg.allow_offline_retriever)
-    env = SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
-    return TaskSource(env, tasks, eval_tasks)
+    return SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
+
+
+def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
+    """The questions of ``cfg.data`` (:func:`split_tasks`) and a search env over the configured
+    retriever (:func:`search_env`)."""
+    tasks, eval_tasks = split_tasks(cfg)
+    return TaskSource(search_env(cfg, model.is_tiny), tasks, eval_tasks)
 
 
 DATAFILE = TaskFamily("datafile", world_starting_model, source)
@@ -230,7 +238,7 @@ def search_demos(tasks: Sequence[Task], env: SearchEnv) -> list[Demo]:
     (a ``wiki-vital-qa`` question: its quoted clue), read the passages, answer with the first gold
     answer. Only questions whose observation contains that answer get a demo (each demo is true
     to what it read); searches are batched into one retriever call."""
-    queries = [_clue(t.question) for t in tasks]
+    queries = [search_query(t.question) for t in tasks]
     steps = [f"<think> I need to look this up. </think>\n<search> {q} </search>" for q in queries]
     outs = env.step(list(tasks), steps, [True] * len(tasks))
     demos = []
@@ -242,7 +250,7 @@ def search_demos(tasks: Sequence[Task], env: SearchEnv) -> list[Demo]:
     return demos
 
 
-def _clue(question: str) -> str:
+def search_query(question: str) -> str:
     """The text worth searching in a question: a quoted clue when there is one, else the question."""
     parts = question.split('"')
     return parts[1].strip() if len(parts) >= 3 and parts[1].strip() else question.strip()

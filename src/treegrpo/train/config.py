@@ -101,7 +101,11 @@ class TrainConfig(BaseModel):
     fork_score: Literal["logp", "entropy", "random"] = Field(
         "logp", description="EPTree: fork at the tokens with the highest -log p, entropy, or at random."
     )
-    max_turns: int = Field(4, ge=1, description="Turns with search allowed; then one final turn without.")
+    max_turns: int = Field(
+        4,
+        ge=0,
+        description="Turns with search allowed; then one final turn without (0: single-turn, the first step must answer, e.g. passages given in the prompt).",
+    )
     max_step_tokens: int | Literal["auto"] = Field(
         "auto",
         description="Per-step generation cap (tokens); a longer step is an invalid action. auto = the cap a bootstrapped tiny agent or a warm-up folder was taught with, else 48 for a tiny agent and 128 for a real model (a real search query plus a short thought). Resolved when the model is loaded and recorded in config.json.",

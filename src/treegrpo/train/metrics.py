@@ -8,11 +8,23 @@ last line; resuming drops it (and any rows past the checkpoint's step) with a me
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from treegrpo.io import append_line, atomic_write_text
+
+
+def peak_rss_gb() -> float | None:
+    """This process's peak resident memory so far (its high-water mark), GiB; ``None`` where the
+    platform has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 class MetricsLogger:

@@ -40,7 +40,7 @@ from treegrpo.train.checkpoint import (
 from treegrpo.train.config import TrainConfig, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.train.distributed import Parallel, QuietLogger, full_optimizer_state, shard
 from treegrpo.train.evaluate import evaluate, headline
-from treegrpo.train.metrics import MetricsLogger
+from treegrpo.train.metrics import MetricsLogger, peak_rss_gb
 from treegrpo.train.monitors import check_step
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
 from treegrpo.train.schedule import lr_at, set_lr
@@ -238,6 +238,8 @@ def train(
             metrics.update({f"budget/total_{k}": v for k, v in run.totals.items()})
             metrics.update({"time/rollout_s": dt_roll, "time/update_s": dt_upd})
             metrics.update({"time/rollout_cpu_s": cpu_roll, "time/update_cpu_s": cpu_upd})  # slowest rank
+            if (rss := peak_rss_gb()) is not None:
+                metrics["mem/peak_rss_gb"] = rss  # this process's high-water mark, before the step's evaluation
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
                 metrics["actor/lr"] = lr
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:

@@ -1,0 +1,391 @@
+"""``treegrpo bench peers``: TRL's ``GRPOTrainer`` and treegrpo on the same job, side by side.
+
+The jobs (both from one starting folder, e.g. a ``treegrpo warmup`` output, which TRL loads with
+``from_pretrained``; the same questions in the same order; group size ``G`` at T = 1; the same cap
+on generated tokens; AdamW at the same constant lr; no KL; the loss aggregation both share,
+:data:`LOSS_PAIRS`):
+
+- ``single_turn``: the question with its top-``topk`` BM25 passages already in the user message
+  (:data:`SINGLE_TURN_PROMPT`, built once here and written to ``work/job/``), the answer in
+  ``<answer>`` tags, reward = EM. treegrpo runs it through its own training loop (the data-file
+  search task with ``max_turns=0``: the first step must answer; ``prompt_template="{question}"``);
+  TRL runs it as a plain ``GRPOTrainer`` job whose reward function is the same env's scoring.
+- ``multi_turn``: the search agent on ``--data`` over ``--corpus`` (Search-R1 protocol): treegrpo
+  chain ``G`` and Tree-GRPO (2,2,1). TRL 1.16 cannot run it with this model: its tool-calling path
+  needs a chat template that renders tool calls; the TRL row probes this at run time and the
+  results record the error (``not_run``).
+
+Rows (:data:`ROWS`) run one at a time, each in its own process, with the same seed and torch
+threads; a row's ``peak_rss_gb`` is its process's high-water mark when training ends (before the
+evaluation after, which every row runs with the same code), ``process_peak_rss_gb`` the whole
+process's; a row finished with the same settings is reused (``work/rows/<row>/``), so
+an interrupted run resumes at the row it was in. Held-out EM (greedy, ``eval_prompts`` questions)
+before and after is measured by treegrpo's evaluation for every row (TRL's saved model is loaded
+back and evaluated by the same code). The per-step lists are kept so the table can be recomputed;
+its columns are medians over steps 2..K (:mod:`treegrpo.benchmarks.peers_report`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
+from treegrpo.benchmarks.provenance import model_hash, provenance
+from treegrpo.benchmarks.real_costs import run_measured
+from treegrpo.envs.base import Task
+from treegrpo.envs.search import information
+from treegrpo.errors import ConfigError
+from treegrpo.io import atomic_write_json, atomic_write_text
+from treegrpo.models.loader import MARKER_FILE, resolve_model_ref
+from treegrpo.retrieval.base import format_passages
+from treegrpo.retrieval.factory import make_retriever
+from treegrpo.tasks.datafile import search_env, search_query, split_tasks
+from treegrpo.train.config import TrainConfig
+from treegrpo.train.warmup import WARMUP_RECORD
+
+Log = Callable[[str], None]
+JOBS = ("single_turn", "multi_turn")
+#: treegrpo ``agg_mode`` -> the TRL ``loss_type`` that computes the same loss (with one optimizer
+#: step per generation batch): ``dapo`` (TRL's default) and ``bnpo`` are both the token mean over the
+#: batch's completion tokens; ``grpo`` the mean over sequences of their token mean; ``dr_grpo`` the
+#: token sum over (sequences x max_completion_length) (tests/algos/test_agg_parity.py).
+LOSS_PAIRS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+#: The rows: name -> system, job, sampler and the treegrpo TrainConfig fields of the sampler.
+ROWS: dict[str, dict[str, Any]] = {
+    "single_turn/trl": {"system": "trl", "job": "single_turn", "sampler": "chain"},
+    "single_turn/chain": {
+        "system": "treegrpo",
+        "job": "single_turn",
+        "sampler": "chain",
+        "fields": {"sampler": "chain"},
+    },
+    "multi_turn/chain": {
+        "system": "treegrpo",
+        "job": "multi_turn",
+        "sampler": "chain",
+        "fields": {"sampler": "chain"},
+    },
+    "multi_turn/tree_2_2_1": {
+        "system": "treegrpo",
+        "job": "multi_turn",
+        "sampler": "tree",
+        "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1},
+    },
+}
+SINGLE_TURN_PROMPT = (
+    "Answer the given question using the passages below. Give the answer inside <answer> and </answer>, "
+    "without detailed illustrations. For example, <answer> Beijing </answer>.\n\n{passages}\n\nQuestion: {question}\n"
+)
+#: Where the two sides differ and why (the rest is the same; ``settings`` of each row records both).
+DIFFERENCES: list[dict[str, str]] = [
+    {"setting": "stop at the action tag", "trl": "generates each completion to EOS or max_completion_length",
+     "treegrpo": "stops right after </answer> (or </search>)",
+     "why": "TRL 1.16's transformers path calls generate() without tokenizer=, which transformers needs for "
+            "stop_strings (generation_kwargs={'stop_strings': ...} raises ValueError; probed per run: "
+            "settings.probes.stop_strings). Both score the first action of the text with the same env."},
+    {"setting": "prompt shared across the group", "trl": "each prompt is repeated G times in the batch: prefilled and "
+     "trained G times", "treegrpo": "prefilled once per prompt (shared-prefix KV) and packed once in the update",
+     "why": "what is measured: each side's own way of running the same job"},
+    {"setting": "advantage epsilon", "trl": "(r - mean) / (std + 1e-4), std unbiased", "treegrpo": "(r - mean) / (std + 1e-6), "
+     "std unbiased", "why": "each library's constant; equal when std = 0 (advantage 0) and within 1e-4 relative otherwise"},
+    {"setting": "AdamW implementation", "trl": "optim=adamw_torch_fused (its default)", "treegrpo": "torch.optim.AdamW",
+     "why": "the same update (betas 0.9/0.999, eps 1e-8, weight decay 0); each library's default kernel"},
+    {"setting": "log-probs in the update", "trl": "its fused LM head (trl/trainer/utils.py add_fused_lm_head): off "
+     "CUDA/XPU (no Triton) it scores every prompt and completion position, in chunks of 32768 positions (one chunk "
+     "here: full-vocabulary logits of the whole batch at once); probed per run: settings.probes.lm_head",
+     "treegrpo": "LM head + log-softmax over the policy positions, in chunks of 1024 positions",
+     "why": "each library's own code, not a setting (GRPOConfig has no knob for either); the same values"},
+    {"setting": "set on TRL to match (its defaults differ)", "trl": "lr_scheduler_type=constant, bf16=False, "
+     "shuffle_dataset=False, beta=0, loss_type as LOSS_PAIRS, one optimizer step per generation batch",
+     "treegrpo": "constant lr, float32, the seed's prompt order, kl_coef=0", "why": "the same job: TRL's defaults "
+     "are linear lr decay, bf16 and a shuffled dataset"},
+]  # fmt: skip
+
+
+#: TrainConfig fields the bench sets itself (from the spec's own options, or per job and row):
+#: ``overrides`` may not set them.
+SPEC_OWNED = (
+    "model", "corpus", "topk", "eval_prompts", "eval_sampled", "seed", "threads", "tensorboard", "group_size",
+    "max_step_tokens", "max_obs_tokens", "max_context_tokens", "temperature", "top_p", "kl_coef", "agg_mode", "lr",
+    "steps", "prompts_per_step", "gradient_checkpointing", "mini_batches", "lr_schedule", "lr_warmup_steps", "data",
+    "eval_data", "prompt_template", "max_turns", "sampler", "m", "n", "l", "out_dir", "dump_rollouts_every",
+    "eval_every", "save_every", "resume",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeersSpec:
+    """What ``bench peers`` runs (every field is recorded in the results).
+
+    Attributes:
+        model: the starting folder (or model reference) both sides load.
+        data / eval_data / corpus: questions, held-out questions (default: the set's own split) and the
+            retriever's corpus (BM25, in process).
+        steps: RL steps K of every row. eval_prompts: held-out questions (greedy) before and after.
+        prompts_per_step / group_size: prompts per step and completions per prompt (chain rows, TRL).
+        max_new_tokens: the cap on tokens per completion (a treegrpo step; TRL's max_completion_length).
+        lr / loss / seed / threads: AdamW lr, treegrpo agg_mode (:data:`LOSS_PAIRS`), seed (prompt
+            order, sampling) and torch CPU threads (0: torch's default) of every row.
+        topk: passages per search and in the single-turn prompt.
+        jobs / rows: which jobs and rows (:data:`ROWS` names) to run.
+        max_turns / max_obs_tokens / max_context_tokens: multi-turn agent limits (treegrpo rows).
+        overrides: further TrainConfig fields of the treegrpo rows and of every evaluation.
+    """
+
+    model: str
+    data: str = "wiki-vital-qa"
+    eval_data: str | None = None
+    corpus: str = "wiki-vital"
+    steps: int = 5
+    eval_prompts: int = 64
+    prompts_per_step: int = 2
+    group_size: int = 4
+    max_new_tokens: int = 48
+    lr: float = 1e-5
+    loss: str = "token-mean"
+    seed: int = 0
+    threads: int = 0
+    topk: int = 3
+    jobs: tuple[str, ...] = JOBS
+    rows: tuple[str, ...] = tuple(ROWS)
+    max_turns: int = 4
+    max_obs_tokens: int = 600
+    max_context_tokens: int = 3072
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` (one line) on a setting the bench cannot run."""
+        if self.loss not in LOSS_PAIRS:
+            raise ConfigError(f"--loss {self.loss!r}: choose one TRL also has: {', '.join(LOSS_PAIRS)}")
+        if bad := [j for j in self.jobs if j not in JOBS]:
+            raise ConfigError(f"--jobs: unknown {bad}; choose from {', '.join(JOBS)}")
+        if bad := [r for r in self.rows if r not in ROWS]:
+            raise ConfigError(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
+        if (
+            min(self.steps, self.eval_prompts, self.prompts_per_step, self.group_size, self.max_new_tokens)
+            < 1
+        ):
+            raise ConfigError(
+                "--steps, --eval-prompts, --prompts-per-step, --group-size and --max-new-tokens must be >= 1"
+            )
+        if self.group_size < 2:
+            raise ConfigError("--group-size must be >= 2: a group of one has no baseline")
+        if not self.lr > 0 or self.threads < 0 or self.max_turns < 1 or self.topk < 1:
+            raise ConfigError("--lr must be > 0, --threads >= 0, --max-turns and --topk >= 1")
+        if owned := sorted(set(self.overrides) & set(SPEC_OWNED)):
+            raise ConfigError(
+                f"--set {', '.join(owned)}: set by the bench itself (use its own options, see --help)"
+            )
+
+
+def _agent_obs_format(folder: Path) -> str | None:
+    """The observation format a warm-up folder was taught with (its record), if any."""
+    try:
+        return json.loads((folder / WARMUP_RECORD).read_text())["agent"]["obs_format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainConfig:
+    """The treegrpo run config of ``job`` (every agent limit explicit, so a folder's recorded limits
+    never differ between rows); ``fields`` on top (sampler, output folder, model)."""
+    folder = resolve_model_ref(spec.model)
+    common: dict[str, Any] = {
+        "model": str(folder), "corpus": spec.corpus, "topk": spec.topk, "eval_prompts": spec.eval_prompts,
+        "eval_sampled": False, "seed": spec.seed, "threads": spec.threads, "tensorboard": False,
+        "group_size": spec.group_size, "max_step_tokens": spec.max_new_tokens, "max_obs_tokens": spec.max_obs_tokens,
+        "max_context_tokens": spec.max_context_tokens, "temperature": 1.0, "top_p": 1.0, "kl_coef": 0.0,
+        "agg_mode": spec.loss, "lr": spec.lr, "steps": spec.steps, "prompts_per_step": spec.prompts_per_step,
+        "gradient_checkpointing": True, "mini_batches": 1, "lr_schedule": "constant", "lr_warmup_steps": 0,
+    }  # fmt: skip
+    if (obs := _agent_obs_format(folder)) is not None:
+        common["obs_format"] = obs
+    if job == "single_turn":
+        common.update(
+            data=str(work / "job" / "single_turn_train.jsonl"), eval_data=str(work / "job" / "single_turn_eval.jsonl"),
+            prompt_template="{question}", max_turns=0,
+        )  # fmt: skip
+    else:
+        common.update(data=spec.data, eval_data=spec.eval_data, max_turns=spec.max_turns)
+    return TrainConfig(**{**common, **spec.overrides, **fields})
+
+
+def prompt_order(train: Sequence[Task], seed: int, steps: int, per_step: int) -> list[list[str]]:
+    """The question ids of every step, as the trainer draws them (``RunState.fresh(seed).rng``, one
+    ``sample`` per step: ``treegrpo.train.trainer``); the bench's tests check the runs drew these."""
+    rng = random.Random(seed)
+    return [[t.id for t in rng.sample(list(train), min(per_step, len(train)))] for _ in range(steps)]
+
+
+def single_turn_tasks(tasks: Sequence[Task], retriever: Any, topk: int) -> list[Task]:
+    """``tasks`` with their top-``topk`` passages (the question's search query, one batched call)
+    and the answer instruction in the question: :data:`SINGLE_TURN_PROMPT`."""
+    hits = retriever.retrieve([search_query(t.question) for t in tasks], topk) if tasks else []
+    return [
+        Task(t.id, SINGLE_TURN_PROMPT.format(passages=information(format_passages(h)).strip(), question=t.question),
+             list(t.answers), t.data_source)
+        for t, h in zip(tasks, hits, strict=True)
+    ]  # fmt: skip
+
+
+def _write_jsonl(path: Path, tasks: Sequence[Task]) -> None:
+    rows = [
+        json.dumps({"id": t.id, "question": t.question, "answers": t.answers, "data_source": t.data_source})
+        for t in tasks
+    ]
+    atomic_write_text(path, "\n".join(rows) + "\n")
+
+
+def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
+    """The questions of both jobs, written once into ``work/job`` (the single-turn files with their
+    passages), and per job: the prompt order and the exact chat messages of every prompt used."""
+    base = job_config(spec, "multi_turn", work)
+    train, held_out = split_tasks(base)
+    held_out = held_out[: spec.eval_prompts]
+    order = prompt_order(train, spec.seed, spec.steps, spec.prompts_per_step)
+    out: dict[str, Any] = {}
+    tiny = (Path(base.model or "") / MARKER_FILE).is_file()
+    if "single_turn" in spec.jobs:
+        log(f"single-turn job: top-{spec.topk} passages for {len(train)} + {len(held_out)} questions")
+        retriever = make_retriever(corpus=spec.corpus)
+        _write_jsonl(work / "job" / "single_turn_train.jsonl", single_turn_tasks(train, retriever, spec.topk))
+        _write_jsonl(
+            work / "job" / "single_turn_eval.jsonl", single_turn_tasks(held_out, retriever, spec.topk)
+        )
+    for job in spec.jobs:
+        cfg = job_config(spec, job, work)
+        env = search_env(cfg, tiny)
+        job_train, job_eval = split_tasks(cfg)
+        tasks = {t.id: t for t in job_train}
+        out[job] = {
+            "order": order,
+            "prompts": [
+                {"step": s + 1, "id": i, "messages": [{"role": "user", "content": env.prompt(tasks[i])}], "answers": tasks[i].answers}
+                for s, ids in enumerate(order) for i in ids
+            ],
+            "eval_questions": len(job_eval[: spec.eval_prompts]),
+        }  # fmt: skip
+    return out
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(
+            Path(p).read_bytes()
+            if isinstance(p, Path)
+            else json.dumps(p, sort_keys=True, default=str).encode()
+        )
+    return h.hexdigest()[:16]
+
+
+def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str, Any]:
+    """Run one row (``treegrpo.benchmarks.peers_rows``) in a process of its own, or reuse the one
+    finished in ``folder`` with the same ``key``; returns its record plus peak RSS and wall."""
+    done = folder / "result.json"
+    if done.is_file() and (prev := json.loads(done.read_text())).get("key") == key:
+        log(f"  {task['name']}: reusing {done}")
+        return prev["row"]
+    cmd = [sys.executable, "-c", "from treegrpo.benchmarks.peers_rows import main; main()", json.dumps(task)]
+    got = run_measured(cmd, log=folder / "log.txt")
+    if got["rc"] != 0 or not (folder / "row.json").is_file():
+        tail = (folder / "log.txt").read_text()[-3000:] if (folder / "log.txt").is_file() else ""
+        raise RuntimeError(f"bench peers: row {task['name']} failed (rc {got['rc']}); its log ends:\n{tail}")
+    row = {
+        **json.loads((folder / "row.json").read_text()),
+        "process_peak_rss_gb": got["peak_rss_gb"],  # the whole process, its evaluation included
+        "process_wall_s": got["wall_s"],
+    }
+    atomic_write_json(done, {"key": key, "row": row})
+    return row
+
+
+def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
+    """Every asked row of every asked job; writes ``out`` (JSON) and its PNG; returns the results."""
+    spec.check()
+    t0 = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = prepare_jobs(spec, work, log)
+    start_hash = model_hash(resolve_model_ref(spec.model))
+    rows: list[dict[str, Any]] = []
+    not_run: list[dict[str, Any]] = []
+    keys = {
+        job: _digest(asdict(spec) | {"rows": None, "jobs": None}, start_hash, jobs[job]["order"], *sorted((work / "job").glob(f"{job}_*.jsonl")))
+        for job in spec.jobs
+    }  # fmt: skip
+    counts = ", ".join(f"{j}: {jobs[j]['eval_questions']}" for j in spec.jobs)
+    log(f"held-out EM of the starting model ({counts} questions, greedy), own process")
+    configs = {job: job_config(spec, job, work).model_dump() for job in spec.jobs}
+    start = {
+        "name": "eval_start",
+        "kind": "eval",
+        "configs": configs,
+        "threads": spec.threads,
+        "out": str(work / "rows" / "eval_start"),
+    }
+    evals = run_row(start, work / "rows" / "eval_start", _digest(keys), log)["eval"]
+    for name in spec.rows:
+        meta, job = ROWS[name], ROWS[name]["job"]
+        if job not in spec.jobs:
+            continue
+        folder = work / "rows" / name
+        cfg = job_config(spec, job, work, out_dir=str(folder / "run"), dump_rollouts_every=1, eval_every=spec.steps,
+                         save_every=spec.steps, **meta.get("fields", {}))  # fmt: skip
+        task = {
+            "name": name, "kind": meta["system"], "job": job, "config": cfg.model_dump(), "threads": spec.threads,
+            "out": str(folder), "eval_start": evals[job], "order": jobs[job]["order"], "trl_loss": LOSS_PAIRS[spec.loss],
+        }  # fmt: skip
+        log(f"{name}: {spec.steps} steps x {spec.prompts_per_step} prompts, own process")
+        row = run_row(task, folder, _digest(keys[job], name), log)
+        rows.append({**{k: v for k, v in meta.items() if k != "fields"}, "name": name, **row})
+        if meta["system"] == "trl":
+            not_run.append(_trl_multi_turn_not_run(row["settings"]["probes"]["tools"]))
+    table = summarize(rows)
+    results = {
+        "provenance": provenance(model_dir=resolve_model_ref(spec.model)),
+        "spec": asdict(spec),
+        "rows": rows,
+        "table": table,
+        "not_run": not_run,
+        "settings": {"shared": shared_settings(rows), "differences": DIFFERENCES, "loss_pairs": LOSS_PAIRS},
+        "prompts": {job: jobs[job]["prompts"] for job in spec.jobs},
+        "eval_before": evals,
+        "checks": checks(table),
+        "wall_s": time.perf_counter() - t0,
+    }
+    atomic_write_json(out, results)
+    plot(results, out.with_suffix(".png"))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+    return results
+
+
+def _trl_multi_turn_not_run(probe: dict[str, Any]) -> dict[str, Any]:
+    """The multi-turn TRL row's record: why it cannot run, with the error the run-time probe got."""
+    if probe.get("error") is None:
+        return {"system": "trl", "job": "multi_turn", "error": None, "template_supports_tools": True,
+                "reason": "GRPOTrainer accepted tools=[search] with this chat template; the bench has no multi-turn TRL row"}  # fmt: skip
+    return {
+        "system": "trl",
+        "job": "multi_turn",
+        "error": probe["error"],
+        "template_supports_tools": probe.get("supports_tool_calling"),
+        "reason": (
+            "TRL 1.16 runs multi-turn agents only through tools= / environment_factory= (tool calls parsed from "
+            "the chat template's tool syntax, each turn generated to EOS) or a user-written rollout_func. "
+            "GRPOTrainer.__init__ refuses tools with this model's chat template (trl/trainer/grpo_trainer.py: "
+            "`if not supports_tool_calling(processing_class): raise ValueError(...)`): SmolLM2's ChatML template "
+            "renders no tool schema and drops assistant tool_calls (trl/chat_template_utils.py "
+            "supports_tool_calling), and add_response_schema knows no parser for it. Swapping in a tool-capable "
+            "template (e.g. Qwen2.5's) would change the prompts and the protocol (JSON <tool_call> instead of "
+            "<search>, the tool result as a new turn) that the starting folder was warmed up on, so it would not "
+            "be the same job; a rollout_func would be our own rollout code, not TRL's."
+        ),
+    }

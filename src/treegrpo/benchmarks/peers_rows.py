@@ -1,0 +1,143 @@
+"""One row of ``bench peers``, run in a process of its own: ``python -c "from
+treegrpo.benchmarks.peers_rows import main; main()" TASK_JSON``.
+
+``TASK_JSON`` (made by :func:`treegrpo.benchmarks.peers.run_bench`) holds the row's ``kind``
+(``eval`` | ``treegrpo`` | ``trl``), its treegrpo run ``config`` (the job's data, env, limits and
+evaluation; a ``trl`` row reads only those), ``threads``, the folder ``out`` and, for the training
+rows, the starting model's evaluation ``eval_start`` and the prompt ``order``. The row writes
+``out/row.json``: per-step lists (wall, rollout and update CPU seconds, generated and trained tokens),
+the evaluation after, and its ``settings`` as each side recorded them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treegrpo.io import atomic_write_json
+from treegrpo.rollout.agent import StepRunner
+from treegrpo.rollout.engine import make_engine
+from treegrpo.train.config import TrainConfig
+from treegrpo.train.evaluate import evaluate
+from treegrpo.train.setup import build_run
+from treegrpo.train.trainer import train
+from treegrpo.tree import read_forests
+
+LIBRARIES = ("treegrpo", "torch", "transformers", "trl", "accelerate", "datasets", "tokenizers")
+
+
+def versions() -> dict[str, str | None]:
+    """The installed versions of the libraries either side runs on (``None``: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def evaluate_model(cfg: TrainConfig) -> dict[str, float]:
+    """treegrpo's held-out evaluation (the agent loop, greedy) of the model ``cfg.model`` on the
+    job of ``cfg``: the one evaluation every row of the bench is measured with."""
+    parts = build_run(cfg)
+    engine = make_engine(
+        cfg.engine, parts.model.eval(), parts.tokenizer, device=cfg.device, **cfg.engine_options
+    )
+    runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
+    return evaluate(runner, parts.eval_tasks, sampled=False)
+
+
+def common_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What every row records about how it ran, beyond its side's own config."""
+    return {
+        "threads": torch.get_num_threads(),
+        "versions": versions(),
+        "model_dir": cfg.model,
+        "device": cfg.device,
+    }
+
+
+def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
+    """treegrpo's own loop (``train``) on the job; figures from its ``metrics.jsonl`` and rollouts."""
+    cfg = TrainConfig(**task["config"])
+    summary = train(cfg, eval_start=task["eval_start"])
+    run = Path(cfg.out_dir)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [m for m in metrics if m.get("step", 0) > 0 and "time/rollout_s" in m]
+    recorded = json.loads((run / "config.json").read_text())
+    prompts = []  # the prompts each step drew, as the rollouts recorded them (id and token ids)
+    for s in range(1, cfg.steps + 1):
+        forests = read_forests(run / "rollouts" / f"step_{s:05d}.jsonl")
+        prompts.append([{"id": f.prompt_id, "ids": list(f.trees[0].nodes[0].tokens)} for f in forests])
+    return {
+        "steps": len(steps),
+        "step_wall_s": [m["time/rollout_s"] + m["time/update_s"] for m in steps],
+        "rollout_wall_s": [m["time/rollout_s"] for m in steps],
+        "update_wall_s": [m["time/update_s"] for m in steps],
+        "rollout_cpu_s": [m["time/rollout_cpu_s"] for m in steps],
+        "update_cpu_s": [m["time/update_cpu_s"] for m in steps],
+        "generated_tokens": [int(m["budget/generated_tokens"]) for m in steps],
+        "prefill_tokens": [int(m["budget/prefill_tokens"]) for m in steps],
+        "trained_tokens": [int(m["update/tokens_paths"]) for m in steps],
+        "computed_tokens": [int(m["update/tokens_packed"]) for m in steps],
+        "trajectories": [int(m["rollout/trajectories"]) for m in steps],
+        "tool_calls": [int(m["budget/tool_calls"]) for m in steps],
+        "reward_mean": [m["reward/mean"] for m in steps],
+        "peak_rss_gb": steps[-1][
+            "mem/peak_rss_gb"
+        ],  # the high-water mark after the last update, before its evaluation
+        "eval_before": summary.eval_start,
+        "eval_after": summary.eval_end,
+        "em_before": summary.eval_start["eval/success_greedy"],
+        "em_after": summary.eval_end["eval/success_greedy"],
+        "prompts_seen": prompts,
+        "settings": {
+            **common_settings(cfg),
+            "group_size": recorded["group_size"]
+            if recorded["sampler"] == "chain"
+            else cfg.trajectories_per_prompt(),
+            "max_new_tokens": recorded["max_step_tokens"],
+            "lr": recorded["lr"],
+            "loss": recorded["agg_mode"],
+            "seed": recorded["seed"],
+            "prompt_ids": [[p["id"] for p in step] for step in prompts],
+            "treegrpo_config": recorded,
+        },
+    }
+
+
+def eval_row(task: dict[str, Any]) -> dict[str, Any]:
+    """The starting model's held-out evaluation, per job of ``task["configs"]``."""
+    cfgs = {job: TrainConfig(**c) for job, c in task["configs"].items()}
+    return {
+        "eval": {job: evaluate_model(cfg) for job, cfg in cfgs.items()},
+        "settings": {job: common_settings(cfg) for job, cfg in cfgs.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    task = json.loads((argv or sys.argv[1:])[0])
+    if task.get("threads"):
+        torch.set_num_threads(int(task["threads"]))
+    out = Path(task["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    if task["kind"] == "eval":
+        row = eval_row(task)
+    elif task["kind"] == "treegrpo":
+        row = treegrpo_row(task)
+    elif task["kind"] == "trl":
+        from treegrpo.benchmarks.peers_trl import trl_row
+
+        row = trl_row(task, evaluate_model, common_settings)
+    else:
+        raise SystemExit(f"bench peers: unknown row kind {task['kind']!r}")
+    atomic_write_json(out / "row.json", row)
+
+
+__all__ = ["LIBRARIES", "common_settings", "evaluate_model", "main", "versions"]
