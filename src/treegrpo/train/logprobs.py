@@ -178,7 +178,9 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
 
 
 @torch.no_grad()
-def _probe_split(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> bool:
+def _probe(model: torch.nn.Module, read_out: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``read_out(ids)`` equals the model's own logits on a few probe ids (in eval mode);
+    ``False`` when either raises (any other interface: the full logits)."""
     was_training = model.training
     model.eval()
     try:
@@ -186,12 +188,16 @@ def _probe_split(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.n
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
         ids = (torch.arange(6, device=p.device) * 7 % max(vocab, 1))[None]
         want = model(input_ids=ids, use_cache=False).logits.float()
-        got = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
-    except Exception:  # any other interface: use the model's own logits
+        got = read_out(ids).float()
+    except Exception:
         return False
     finally:
         model.train(was_training)
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+def _probe_split(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> bool:
+    return _probe(model, lambda ids: head(decoder(input_ids=ids, use_cache=False).last_hidden_state))
 
 
 # Per inner model of a DDP wrapper: whether its forward with the head made the identity returns
@@ -221,23 +227,13 @@ def _head_skipped(head: torch.nn.Module) -> Iterator[None]:
             head.forward = old  # type: ignore[method-assign]
 
 
-@torch.no_grad()
 def _probe_through_forward(model: torch.nn.Module, head: torch.nn.Module) -> bool:
-    was_training = model.training
-    model.eval()
-    try:
-        p = next(model.parameters())
-        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
-        ids = (torch.arange(6, device=p.device) * 7 % max(vocab, 1))[None]
-        want = model(input_ids=ids, use_cache=False).logits.float()
+    def read_out(ids: torch.Tensor) -> torch.Tensor:
         with _head_skipped(head):
             hidden = model(input_ids=ids, use_cache=False).logits
-        got = head(hidden).float()
-    except Exception:  # any other interface: the full logits
-        return False
-    finally:
-        model.train(was_training)
-    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+        return head(hidden)
+
+    return _probe(model, read_out)
 
 
 def ddp_hidden(
