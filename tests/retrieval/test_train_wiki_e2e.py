@@ -135,7 +135,7 @@ def test_train_reports_a_dead_server_as_retrieval_errors(
         {
             "model": str(taught_model), "data": str(write_search_r1_parquet(tmp_path / "train.parquet")),
             "retriever_url": url, "steps": 1, "prompts_per_step": 1, "sampler": "chain", "group_size": 2,
-            "out_dir": str(tmp_path / "run"), "max_turns": 1, "max_step_tokens": 20, "eval_prompts": 1,
+            "out_dir": str(tmp_path / "run"), "max_turns": 1, "max_step_tokens": 20, "eval_prompts": 1, "temperature": 0.2,
             "eval_sampled": False, "tensorboard": False, "kl_coef": 0.0,
         }
     )  # fmt: skip
