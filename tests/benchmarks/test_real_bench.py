@@ -12,7 +12,7 @@ from treegrpo.benchmarks.real import RealSpec, rl_stage, run_bench, warmup_stage
 from treegrpo.benchmarks.real_costs import _generated
 from treegrpo.models.loader import load_tokenizer
 
-LIMITS = {"max_turns": 1, "max_step_tokens": 48, "max_obs_tokens": 200, "max_context_tokens": 1024}
+LIMITS = {"max_turns": 1, "max_step_tokens": 128, "max_obs_tokens": 200, "max_context_tokens": 1024}
 
 
 def test_bench_real_runs_every_stage_and_reuses_finished_ones(smollm2_2layer_dir: Path, tmp_path: Path) -> None:

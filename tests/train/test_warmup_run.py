@@ -30,10 +30,11 @@ from treegrpo.train.warmup import (
     EncodedDemo,
     WarmupConfig,
     encode_demo,
+    encode_demos,
     progress_line,
     supervised_warmup,
 )
-from treegrpo.train.warmup_run import WarmupRun, _encode_within_cap, run_warmup
+from treegrpo.train.warmup_run import WarmupRun, run_warmup
 
 ARTICLES = [
     ("Mount Kilimanjaro", "Mount Kilimanjaro is a large dormant volcano in Tanzania. It has three cones."),
@@ -91,12 +92,12 @@ def test_a_demo_step_over_the_loop_cap_is_never_taught(smollm2_2layer_dir: Path)
     demos = search_demos(tasks, env)
     longest = max(len(tok.encode(st, add_special_tokens=False)) for d in demos for st, _ in d.steps)
     fits = StepRunner(None, env, tok, AgentConfig(max_step_tokens=longest))  # type: ignore[arg-type]
-    assert len(_encode_within_cap(fits, demos)[0]) == len(demos)
+    assert len(encode_demos(fits, demos)[0]) == len(demos)
     short = StepRunner(None, env, tok, AgentConfig(max_step_tokens=longest - 1))  # type: ignore[arg-type]
     over = [d for d in demos if any(len(tok.encode(st, add_special_tokens=False)) == longest for st, _ in d.steps)]
     with pytest.raises(DemoTooLong, match=f"exceeds max_step_tokens={longest - 1}"):
         encode_demo(short, over[0])
-    encoded, skipped = _encode_within_cap(short, demos)
+    encoded, skipped = encode_demos(short, demos)
     assert skipped == len(over) >= 1 and len(encoded) == len(demos) - len(over)
     assert all(  # no step of what is taught is longer than the cap
         run <= longest - 1 for e in encoded for run in _policy_runs(e.policy_mask)

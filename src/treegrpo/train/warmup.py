@@ -109,6 +109,20 @@ def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
     return EncodedDemo(ids, mask)
 
 
+def encode_demos(runner: StepRunner, demos: Sequence[Demo]) -> tuple[list[EncodedDemo], int]:
+    """The demos encoded as the loop holds them (:func:`encode_demo`), leaving out those with a
+    step the loop's ``max_step_tokens`` would cut off; returns them and how many were left out.
+    Every warm-up (the tiny bootstraps and ``treegrpo warmup``) encodes through this, so none
+    teaches a step the loop would not let the policy finish."""
+    encoded: list[EncodedDemo] = []
+    for d in demos:
+        try:
+            encoded.append(encode_demo(runner, d))
+        except DemoTooLong:
+            continue
+    return encoded, len(demos) - len(encoded)
+
+
 def demo_texts(demos: Sequence[Demo], env: AgentEnv) -> list[str]:
     """Full demo transcripts (prompt, steps, observations), for tokenizer training."""
     return [env.prompt(d.task) + "".join(s + (o or "") for s, o in d.steps) for d in demos]

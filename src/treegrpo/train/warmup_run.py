@@ -34,10 +34,8 @@ from treegrpo.train.evaluate import evaluate
 from treegrpo.train.setup import build_run
 from treegrpo.train.warmup import (
     WARMUP_RECORD,
-    DemoTooLong,
-    EncodedDemo,
     WarmupConfig,
-    encode_demo,
+    encode_demos,
     sft_steps,
     supervised_warmup,
 )
@@ -85,7 +83,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     if not demos:
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
-    encoded, too_long = _encode_within_cap(encoder, demos)
+    encoded, too_long = encode_demos(encoder, demos)
     if too_long:
         console.print(
             f"skipped {too_long} of {len(demos)} demos with a step over max_step_tokens="
@@ -142,18 +140,6 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     atomic_write_dir(run.out, write)
     console.print(f"saved to {run.out} (a --model for treegrpo train) in {record['wall_s']:.0f}s")
     return record
-
-
-def _encode_within_cap(encoder: StepRunner, demos: list[Any]) -> tuple[list[EncodedDemo], int]:
-    """The demos encoded as the loop holds them, leaving out (and counting) those with a step the
-    loop's ``max_step_tokens`` would cut off."""
-    encoded: list[EncodedDemo] = []
-    for d in demos:
-        try:
-            encoded.append(encode_demo(encoder, d))
-        except DemoTooLong:
-            continue
-    return encoded, len(demos) - len(encoded)
 
 
 def _fmt(ev: dict[str, float]) -> str:

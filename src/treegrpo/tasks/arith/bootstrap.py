@@ -1,6 +1,6 @@
 """The arithmetic task's starting policy (:func:`bootstrap_arith`): the starting policy is a small Qwen2 warmed up on
 deliberately imperfect worked solutions, through the generic warm-up
-(:mod:`treegrpo.train.warmup`: ``Demo``, ``encode_demo``, ``supervised_warmup``) and the atomic
+(:mod:`treegrpo.train.warmup`: ``Demo``, ``encode_demos``, ``supervised_warmup``) and the atomic
 folder write. Imperfections, so that the policy solves some problems but far from all and the
 failures are choices RL can fix:
 
@@ -41,7 +41,7 @@ from treegrpo.tasks.arith.problems import (
     worked_solution,
 )
 from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
-from treegrpo.train.warmup import Demo, demo_texts, encode_demo, supervised_warmup
+from treegrpo.train.warmup import Demo, demo_texts, encode_demos, supervised_warmup
 
 ARITH_BOOTSTRAP_VERSION = 1
 # The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
@@ -216,7 +216,7 @@ def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) ->
         demos = make_arith_demos(problems.tasks("warmup"), env, cfg, rng)
         tok = arith_tokenizer(demo_texts(demos, env), cfg.vocab_size)
         runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
-        encoded = [encode_demo(runner, d) for d in demos]
+        encoded, _ = encode_demos(runner, demos)  # a step over the loop's cap is never taught
         timings["demos_and_tokenizer_s"] = time.perf_counter() - t0
         model = model_for(cfg, tok)
         n_params = sum(p.numel() for p in model.parameters())

@@ -31,7 +31,7 @@ from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
 from treegrpo.tasks.sql.demos import make_demos
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import SqlConfig, build_problems
-from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demo, supervised_warmup
+from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
 SQL_BOOTSTRAP_VERSION = 1
 SQL_TAGS = ("<sql>", "</sql>", "<result>", "</result>")
@@ -167,7 +167,7 @@ def bootstrap_sql(folder: str | Path, cfg: SqlBootstrapConfig | None = None, pro
         demos = make_demos(env, problems.tasks("warmup"), cfg, rng)
         tok = sql_tokenizer(demo_texts(demos, env), cfg.vocab_size)
         runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
-        encoded = [encode_demo(runner, d) for d in demos]
+        encoded, _ = encode_demos(runner, demos)  # a step over the loop's cap is never taught
         timings["demos_and_tokenizer_s"] = time.perf_counter() - t0
         model = model_for(cfg, tok)
         n_params = sum(p.numel() for p in model.parameters())

@@ -30,7 +30,7 @@ from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
 from treegrpo.tasks.world.demos import aux_demo_tasks, aux_worlds, make_demos, make_env
 from treegrpo.tasks.world.world import World, WorldConfig, build_world, get_preset
-from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demo, supervised_warmup
+from treegrpo.train.warmup import WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
 BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are rebuilt
 # The modules whose code decides the weights (world, demos, tokenizer, model, warm-up, the context
@@ -257,7 +257,7 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
             train_tokenizer([*world.texts(), *demo_texts(demos, env)], vocab_size=cfg.vocab_size)
         )
         runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
-        encoded = [encode_demo(runner, d) for d in demos]
+        encoded, _ = encode_demos(runner, demos)  # a step over the loop's cap is never taught
         timings["tokenizer_s"] = time.perf_counter() - t
 
         model = model_for(cfg, tok)
