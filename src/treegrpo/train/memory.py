@@ -6,10 +6,12 @@ freed between blocks still in use stays in the process (resident, counted in its
 reused. The threshold is *dynamic*: every mapped block freed raises it to that block's size (up
 to 32 MB), so after the first few frees the MB-sized activations of a forward pass — hidden
 states, MLP intermediates, attention masks, one layer after another, with the layers' kept
-inputs in between — all land in the heap and leave holes there that later, differently sized
-ones do not fit. Measured on full SmolLM2-135M (one LoRA rank-16 packed update of 3 × 1240
-tokens, ``benchmarks/README.md``): at most ~1.4 GB of tensors alive at any moment, but the RSS
-peaked at 4.77 GB; with a fixed threshold of 1 MB the same update peaked at 1.85 GB.
+inputs in between — land in the heap, and what they free stays resident (kept for reuse, most
+of it never reused: ``malloc_trim`` gave back up to 2.4 GB at a phase boundary). Measured on full SmolLM2-135M, one LoRA rank-16 packed update of 3 × 1240
+tokens: with ``malloc_trim`` at each phase boundary the RSS there was at most 1.41 GB (what is
+alive), yet untrimmed the update peaked at 4.77 GB; with a fixed threshold of 1 MB the same
+update peaked at 1.85 GB (4 MB: 2.13 GB). The cost is page faults of fresh mappings: system CPU
+11 → 36 s, user 154 → 163 s, wall 357 → 349 s (a shared 2-core machine: within its noise).
 
 :func:`return_freed_memory` sets that fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also
 turns the dynamic adjustment off) for the whole process. It changes where memory comes from,
