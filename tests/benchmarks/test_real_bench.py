@@ -38,7 +38,7 @@ def test_bench_real_runs_every_stage_and_reuses_finished_ones(smollm2_2layer_dir
     phases = [m["phase"] for m in json.loads((tmp_path / "work" / "costs" / "packed" / "phases.json").read_text())["marks"]]
     assert {"load", "rollout", "update_prep", "forward", "loss", "backward", "optimizer_step", "update_end"} <= set(phases)
     assert phases.index("rollout") < phases.index("forward") < phases.index("backward") < phases.index("optimizer_step")
-    per_phase = [packed[f"peak_rss_{g}_gb"] for g in ("load", "eval", "rollout", "update")]
+    per_phase = [packed[f"peak_rss_{g}_gb"] for g in ("load", "eval", "rollout", "update", "save")]
     assert min(per_phase) > 0.1 and packed["peak_rss_gb"] == max(per_phase)  # the process's peak is a phase's
     assert set(res["checks"]) >= {"warmup_well_formed", "warmup_em", "engine_vs_generate", "peak_rss_packed"}
     said.clear()  # an interrupted benchmark resumes: finished stages are reused
@@ -67,6 +67,8 @@ def test_phase_summary_takes_each_groups_largest_peak() -> None:
         {"phase": "backward", "peak_gb": 3.0},
         {"phase": "optimizer_step", "peak_gb": 2.5},
         {"phase": "eval", "peak_gb": 1.0},
+        {"phase": "before_save", "peak_gb": 1.2},
+        {"phase": "save", "peak_gb": 1.7},
     ]
     assert summary(marks) == {
         "peak_rss_gb": 9.0,
@@ -74,4 +76,5 @@ def test_phase_summary_takes_each_groups_largest_peak() -> None:
         "peak_rss_rollout_gb": 1.5,
         "peak_rss_update_gb": 3.0,
         "peak_rss_eval_gb": 1.0,
+        "peak_rss_save_gb": 1.7,
     }

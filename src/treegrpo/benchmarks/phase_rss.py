@@ -2,12 +2,13 @@
 
 ``python -c "from treegrpo.benchmarks.phase_rss import main; main()" OUT.json train ARGS…`` runs
 ``treegrpo train ARGS…`` in this process with the trainer's phases wrapped: model load, the
-held-out evaluations, the rollout, and inside the update the packing probe and batching (``update_prep``),
-the reference/old log-probs, each micro-batch's forward, loss and backward, and the optimizer
-step. At the end of each phase it records the resident set (``VmRSS``) and the peak since the
-previous mark (``VmHWM``, then reset through ``/proc/self/clear_refs``), so every phase has its
-own maximum; ``OUT.json`` gets the list of marks and :func:`summary` of it. Linux only (``/proc``);
-the wrappers change no value the trainer computes.
+held-out evaluations, the rollout; inside the update the packing probe and batching
+(``update_prep``), the reference/old log-probs, each micro-batch's forward, loss and backward,
+the optimizer step; and the checkpoint save. At the end of each phase it records the resident
+set (``VmRSS``) and the peak since the previous mark (``VmHWM``, then reset through
+``/proc/self/clear_refs``), so every phase has its own maximum; ``OUT.json`` gets the list of
+marks and :func:`summary` of it. Linux only (``/proc``); the wrappers change no value the
+trainer computes.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def install() -> None:
     _wrap(tr, "build_run", None, "load")
     _wrap(tr, "evaluate", "before_eval", "eval")
     _wrap(tr, "update", "before_update", "update_end")
+    _wrap(tr, "save_run", "before_save", "save")
     get_sampler = tr.get_sampler
 
     def sampler(name: str) -> Callable[..., Any]:
@@ -98,14 +100,14 @@ def install() -> None:
 
 
 #: Which summary group each mark's phase belongs to (the rest are inside the update).
-GROUPS = {"load": "load", "eval": "eval", "rollout": "rollout"}
-_BETWEEN = ("before_eval", "before_rollout", "before_update", "end")  # between the phases
+GROUPS = {"load": "load", "eval": "eval", "rollout": "rollout", "save": "save"}
+_BETWEEN = ("before_eval", "before_rollout", "before_update", "before_save", "end")  # between phases
 
 
 def summary(marks: list[dict[str, Any]]) -> dict[str, float]:
     """``peak_rss_gb`` (the whole process) and ``peak_rss_<group>_gb`` for the groups ``load``,
     ``eval``, ``rollout``, ``update`` (probe and batching, reference log-probs, forwards, losses,
-    backwards, optimizer steps), each the largest peak of its phases."""
+    backwards, optimizer steps) and ``save`` (the checkpoint), each the largest peak of its phases."""
     out: dict[str, float] = {"peak_rss_gb": max((m["peak_gb"] for m in marks), default=0.0)}
     for m in marks:
         if m["phase"] in _BETWEEN:
