@@ -8,7 +8,8 @@ the optimizer step; and the checkpoint save. At the end of each phase it records
 set (``VmRSS``) and the peak since the previous mark (``VmHWM``, then reset through
 ``/proc/self/clear_refs``), so every phase has its own maximum; ``OUT.json`` gets the list of
 marks and :func:`summary` of it. Linux only (``/proc``); the wrappers change no value the
-trainer computes.
+trainer computes, but the resets make the trainer's own ``mem/peak_rss_gb`` metric (``ru_maxrss``)
+the peak since the last mark.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ up to and including the stop (EOS or the token completing a stop string), CPU se
 process's (``time.process_time``), after one untimed warm call of each.
 
 :func:`step_costs` — one ``treegrpo train --steps 1`` (tree (2,2,1), 2 prompts) per mode
-(:data:`MODES`: per path, packed, packed with LoRA), each in a fresh child process whose peak RSS
-is measured per phase (:mod:`treegrpo.benchmarks.phase_rss`: model load, evaluations, rollout,
-update; the process's peak is the largest, ``peak_rss_gb``, each phase's ``peak_rss_<phase>_gb``;
-the marks are kept in the run folder's ``phases.json``) in a fresh process started by a fresh
-middle process (so the modes do not share a maximum); update and rollout seconds come from the
-run's ``metrics.jsonl``. A mode's figures are
-kept in its run folder (``cost.json``, with the command) and reused by a later call with the same
-command, so an interrupted benchmark does not measure a finished mode again.
+(:data:`MODES`: per path, packed, packed with LoRA), each in a fresh child process of a fresh
+middle process (so the modes do not share a maximum). Its peak RSS is measured per phase
+(:mod:`treegrpo.benchmarks.phase_rss`; the marks are kept in the run folder's ``phases.json``):
+``peak_rss_gb`` is the process's, ``peak_rss_<phase>_gb`` that of ``load``, ``eval``,
+``rollout``, ``update`` and ``save``. Update and rollout seconds come from the run's
+``metrics.jsonl``. A mode's figures are kept in its run folder (``cost.json``, with the command)
+and reused by a later call with the same command, so an interrupted benchmark does not measure a
+finished mode again.
 """
 
 from __future__ import annotations
