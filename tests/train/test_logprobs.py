@@ -5,7 +5,10 @@ chunked read-out from hidden states under autograd (equal to the full logits to 
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,13 @@ from test_packing import PAD, forests_for_tests
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.models.loader import load_model
 from treegrpo.train.batching import collate, forest_sequences, token_logprobs
-from treegrpo.train.logprobs import logprobs_from_hidden, logprobs_from_logits, split_head
+from treegrpo.train.logprobs import (
+    ENTROPY_ROWS,
+    _entropy,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    split_head,
+)
 from treegrpo.train.packing import pack_forests, packed_logprobs
 
 
@@ -122,3 +131,67 @@ def test_no_vocabulary_wide_tensor_is_kept_for_backward() -> None:
 
     assert biggest_saved(None) >= B * L * V  # the full log-softmax is kept
     assert biggest_saved(16) < 2 * V * H + B * L * H  # at most the head weight and the hidden states
+
+
+def _held_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """Bytes torch's CPU allocator holds after ``fn`` (allocations minus frees while it ran,
+    torch.profiler memory events), and what ``fn`` returned (kept alive while counting)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    return sum(e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), kept
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_entropy_as_a_metric_holds_nothing_after_backward(chunk: int | None) -> None:
+    """The entropy is a metric unless the loss has an entropy term (``entropy_grad=False``): the
+    same values, no graph of its own. Recorded under autograd, after ``lp.sum().backward()`` its
+    ``p`` and ``log p`` (2 × tokens × vocab floats) stay held while the outputs live — under the
+    chunked checkpoint they are even recomputed in backward and then kept."""
+    g = torch.Generator().manual_seed(0)
+    B, L, H, V = 2, 64, 8, 5000
+    hidden = torch.randn(B, L, H, generator=g, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    src = (torch.arange(L) - 1).expand(B, L)
+    tgt = torch.randint(0, V, (B, L), generator=g)
+
+    def step(entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        hidden.grad = None
+        if chunk is None:
+            lp, ent = logprobs_from_logits(head(hidden), src, tgt, with_entropy=True, entropy_grad=entropy_grad)
+        else:
+            lp, ent = logprobs_from_hidden(
+                hidden, head, src, tgt, with_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad
+            )
+        lp.sum().backward()
+        assert hidden.grad is not None
+        return lp, ent, hidden.grad.clone()
+
+    held_graph, graph = _held_bytes(lambda: step(True))
+    lp_g, ent_g, grad_g = (t.detach() if t is not None else None for t in graph)  # type: ignore[union-attr]
+    del graph  # the recorded entropy's graph goes before the next count
+    held_metric, (lp_m, ent_m, grad_m) = _held_bytes(lambda: step(False))  # type: ignore[misc]
+    assert ent_m is not None and ent_g is not None and not ent_m.requires_grad
+    assert torch.equal(ent_m, ent_g) and torch.equal(lp_m.detach(), lp_g) and torch.equal(grad_m, grad_g)
+    assert held_graph >= 2 * B * L * V * 4  # p and log p of every position
+    assert held_metric < B * L * V * 4 / 50  # the outputs and the gradient only
+
+
+def test_entropy_without_autograd_is_bit_identical() -> None:
+    """The entropy metric (no autograd) is computed a few rows at a time in place: the same
+    values bit for bit as ``-(p · log p).sum(-1)`` in one expression, for a row count that is not
+    a multiple of the block, in float32 and float64."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(ENTROPY_ROWS * 2 + 3, 4000), (3, 100, 257), (1, 7)]:
+        for dtype in (torch.float32, torch.float64):
+            logp = torch.log_softmax(3 * torch.randn(*shape, generator=g, dtype=dtype), dim=-1)
+            want = -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():
+                got = _entropy(logp)
+            assert got.shape == want.shape and got.dtype == dtype
+            assert torch.equal(got, want), (shape, dtype)

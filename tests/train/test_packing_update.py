@@ -157,3 +157,41 @@ def test_an_empty_batch_trains_nothing_and_decides_nothing(tiny_model_dir: Path)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     metrics = update(model, None, opt, [], [], cfg, loss_cfg, PAD)
     assert metrics["update/packed"] == 1.0 and model not in _PACKING_CHECKED
+
+
+@pytest.mark.parametrize("packing", ["on", "off"])
+def test_entropy_bonus_reaches_the_gradient(tiny_model_dir: Path, packing: str) -> None:
+    """The entropy is a metric (no autograd) only without an entropy term: with ``entropy_coef > 0``,
+    zero advantages and no KL, the entropy bonus alone moves the weights; with 0 nothing does."""
+    forests = forests_for_tests()
+    zero = [[[0.0] * len(path) for path in token_advantages(f, "tree_grpo")] for f in forests]
+    moved = {}
+    for coef in (0.0, 0.1):
+        cfg, loss_cfg = _cfgs(packing=packing, kl_coef=0.0, entropy_coef=coef)
+        model = load_model(tiny_model_dir)
+        start = torch.cat([p.detach().flatten() for p in model.parameters()])
+        m = update(model, None, torch.optim.SGD(model.parameters(), lr=0.5), forests, zero, cfg, loss_cfg, PAD)
+        assert m["actor/entropy"] > 0
+        moved[coef] = float((torch.cat([p.detach().flatten() for p in model.parameters()]) - start).abs().max())
+    assert moved[0.0] == 0.0 and moved[0.1] > 1e-4
+
+
+def test_packing_probe_reads_log_probs_as_training_does(tiny_model_dir: Path) -> None:
+    """With ``chunk_tokens`` the packing probe reads its log-probs from the decoder's hidden states
+    (chunked, as the update does), never from the model's full ``[paths, T, vocab]`` logits: with
+    the model's own forward made to fail, the probe still passes."""
+    from treegrpo.train.logprobs import split_head
+    from treegrpo.train.update import packing_supported
+
+    model = load_model(tiny_model_dir)
+    assert split_head(model) is not None  # probed (and cached) before the full forward is broken
+
+    def no_full_logits(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("the full logits were computed")
+
+    model.forward = no_full_logits  # type: ignore[method-assign]
+    assert packing_supported(model, forests_for_tests(), PAD, strict=True, chunk_tokens=16)
+    model2 = load_model(tiny_model_dir)
+    model2.forward = no_full_logits  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="full logits"):  # unchunked: the probe needs them
+        packing_supported(model2, forests_for_tests(), PAD, strict=True)

@@ -7,11 +7,14 @@ up to and including the stop (EOS or the token completing a stop string), CPU se
 process's (``time.process_time``), after one untimed warm call of each.
 
 :func:`step_costs` — one ``treegrpo train --steps 1`` (tree (2,2,1), 2 prompts) per mode
-(:data:`MODES`: per path, packed, packed with LoRA), each in a fresh child process whose peak RSS
-is read with ``getrusage(RUSAGE_CHILDREN)`` by a fresh middle process (so the modes do not share a
-maximum); update and rollout seconds come from the run's ``metrics.jsonl``. A mode's figures are
-kept in its run folder (``cost.json``, with the command) and reused by a later call with the same
-command, so an interrupted benchmark does not measure a finished mode again.
+(:data:`MODES`: per path, packed, packed with LoRA), each in a fresh child process of a fresh
+middle process (so the modes do not share a maximum). Its peak RSS is measured per phase
+(:mod:`treegrpo.benchmarks.phase_rss`; the marks are kept in the run folder's ``phases.json``):
+``peak_rss_gb`` is the process's, ``peak_rss_<phase>_gb`` that of ``load``, ``eval``,
+``rollout``, ``update`` and ``save``. Update and rollout seconds come from the run's
+``metrics.jsonl``. A mode's figures are kept in its run folder (``cost.json``, with the command)
+and reused by a later call with the same command, so an interrupted benchmark does not measure a
+finished mode again.
 """
 
 from __future__ import annotations
@@ -130,8 +133,9 @@ def step_costs(
     out: dict[str, dict[str, float]] = {}
     for mode in modes:
         run_dir = work / mode
+        phases = run_dir / "phases.json"  # per-phase peaks (benchmarks/phase_rss.py)
         cmd = [
-            sys.executable, "-c", "from treegrpo.cli import main; main()", "train",
+            sys.executable, "-c", "from treegrpo.benchmarks.phase_rss import main; main()", str(phases), "train",
             "--model", str(model_ref), "--data", data, "--corpus", corpus, "--steps", "1",
             "--prompts-per-step", "2", "--m", "2", "--n", "2", "--l", "1", "--out-dir", str(run_dir),
             "--seed", str(seed), "--set", "eval_prompts=1", "--set", "eval_sampled=false",
@@ -139,7 +143,7 @@ def step_costs(
             *(x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")),
         ]  # fmt: skip
         done = run_dir / "cost.json"  # a mode measured before with the same command is reused
-        if done.is_file() and (prev := json.loads(done.read_text())).get("command") == cmd[3:]:
+        if done.is_file() and (prev := json.loads(done.read_text())).get("command") == cmd[4:]:
             out[mode] = prev["row"]
             log(f"  {mode}: reusing {done}")
             continue
@@ -147,11 +151,14 @@ def step_costs(
         row: dict[str, float] = {"peak_rss_gb": got["peak_rss_gb"], "wall_s": got["wall_s"]}
         if got["rc"] != 0:
             raise RuntimeError(f"bench real: the {mode} step failed:\n{got['stderr'][-2000:]}")
+        if phases.is_file():  # the phases reset the peak the middle process reads: theirs is the figure
+            row.update(json.loads(phases.read_text())["summary"])
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x]
         for k in ("time/update_s", "time/rollout_s", "update/packed", "rollout/trajectories"):
             if rows and k in rows[-1]:
                 row[k.split("/")[-1]] = rows[-1][k]
         out[mode] = row
-        atomic_write_json(done, {"command": cmd[3:], "row": row})
-        log(f"  {mode}: peak {row['peak_rss_gb']:.2f} GB, update {row.get('update_s', float('nan')):.1f} s")
+        atomic_write_json(done, {"command": cmd[4:], "row": row})
+        parts = ", ".join(f"{g} {row[f'peak_rss_{g}_gb']:.2f}" for g in ("rollout", "update") if f"peak_rss_{g}_gb" in row)
+        log(f"  {mode}: peak {row['peak_rss_gb']:.2f} GB ({parts}), update {row.get('update_s', float('nan')):.1f} s")
     return out

@@ -106,12 +106,13 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_B_T`` of each input token given the ones before it (0 at t = 0 and on pads);
     optionally the full-distribution entropy ``entropy_B_T`` at the same positions, both at the
     sampling ``temperature``. The read-out is
     :func:`~treegrpo.train.logprobs.model_logprobs` with source position ``t - 1``
-    (``temperature``, ``chunk_tokens``: see there)."""
+    (``temperature``, ``chunk_tokens``, ``entropy_grad``: see there)."""
     inputs = {"input_ids": batch.input_ids_B_T, "attention_mask": batch.attention_mask_B_T, "use_cache": False}
     T = batch.input_ids_B_T.shape[1]
     src_B_T = (torch.arange(T, device=batch.input_ids_B_T.device) - 1).expand_as(batch.input_ids_B_T)
@@ -123,6 +124,7 @@ def token_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
+        entropy_grad=entropy_grad,
     )
     lp = lp * batch.attention_mask_B_T
     if ent is not None:

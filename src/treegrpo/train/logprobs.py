@@ -42,6 +42,13 @@ SmolLM2 ids × 4 bytes = 1.6 GB apiece), all kept for backward. Two ways to boun
   its "logits" are the last hidden states and the gradients still sync; a one-time probe checks
   that ``head(that output) == model(x).logits``, else the full logits.
 
+The entropy is a metric unless the loss has an entropy term: then ``entropy_grad=False`` computes
+it without autograd. Recorded under autograd, the entropy keeps its own ``[·, V]`` tensors
+(``p = exp(log p)`` and ``log p``) for a backward that never runs — alive until the step's graph
+is freed, and under the chunked checkpoint recomputed in backward *and then held* (every chunk's
+pair until the micro-batch's outputs are dropped: 2 × 4 bytes × V per source position, 1.6 GB
+for 4k positions of SmolLM2). The values are the same either way.
+
 Log-probs and entropies are float32 whatever the model's dtype (float64 for a float64 model, as in
 exactness tests): bfloat16 logits are cast before the temperature and the log-softmax, so ratios,
 KL and losses are computed in float32 at least.
@@ -71,6 +78,25 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature == 0 else float(temperature)
 
 
+#: Rows of ``p · log p`` computed at once for an entropy without autograd (a 256 × 49152 float32
+#: temporary is 50 MB, against 2 × 201 MB for a whole 1024-position chunk).
+ENTROPY_ROWS = 256
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """``H = -Σ p log p`` of each row of log-probs ``[..., V]``. Under autograd as one expression;
+    otherwise :data:`ENTROPY_ROWS` rows at a time in one in-place temporary (the same values bit
+    for bit: each row's sum is the same reduction)."""
+    if torch.is_grad_enabled() and logp.requires_grad:
+        return -(logp.exp() * logp).sum(-1)
+    flat = logp.reshape(-1, logp.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=logp.dtype, device=logp.device)
+    for r in range(0, flat.shape[0], ENTROPY_ROWS):
+        part = flat[r : r + ENTROPY_ROWS]
+        torch.sum(part.exp().mul_(part), dim=-1, out=out[r : r + ENTROPY_ROWS])
+    return out.neg_().reshape(logp.shape[:-1])
+
+
 def logprobs_from_logits(
     logits_B_L_V: torch.Tensor,
     src_B_L: torch.Tensor,
@@ -79,6 +105,7 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy) of each target token under the logits that predict it.
 
@@ -90,6 +117,8 @@ def logprobs_from_logits(
         with_entropy: also return the full-distribution entropy at each token's source position.
         chunk_tokens: compute the log-softmax over at most this many source positions at a time
             (see the module docstring); ``None``: all at once.
+        entropy_grad: False: the entropy is a metric only, computed without autograd (the same
+            values; nothing of it is kept for backward, see the module docstring).
 
     Returns:
         ``(logprobs_B_L, entropy_B_L | None)``, float32, 0 where ``src_B_L < 0``.
@@ -109,10 +138,12 @@ def logprobs_from_logits(
         lp = logp_all[rows, src, targets_B_L]
         ent = None
         if with_entropy:
-            e_all = -(logp_all.exp() * logp_all).sum(-1)  # [B, L]
-            ent = e_all[rows, src]
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = _entropy(logp_all)[rows, src]  # [B, L]
     else:
-        lp, ent = _chunked(logits.reshape(B * L, V), src, targets_B_L, L, with_entropy, chunk_tokens)
+        lp, ent = _chunked(
+            logits.reshape(B * L, V), src, targets_B_L, L, with_entropy, chunk_tokens, entropy_grad
+        )
     lp = torch.where(has_src, lp, torch.zeros_like(lp))
     if ent is not None:
         ent = torch.where(has_src, ent, torch.zeros_like(ent))
@@ -126,6 +157,7 @@ def _chunked(
     L: int,
     with_entropy: bool,
     chunk: int,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`logprobs_from_logits` over the flattened source positions, ``chunk`` at a time:
     each token is read from the chunk holding its source position."""
@@ -147,7 +179,8 @@ def _chunked(
         at = sorted_src[lo:hi] - q0
         lp_parts.append(logp[at, flat_tgt[order[lo:hi]]])
         if with_entropy:
-            ent_parts.append(-(logp.exp() * logp).sum(-1)[at])
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent_parts.append(_entropy(logp)[at])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     lp = torch.cat(lp_parts)[inverse].reshape(src_B_L.shape)
@@ -267,6 +300,7 @@ def model_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model(**inputs)`` and read each target token's log-prob (and entropy) at its source
     position (:func:`logprobs_from_logits`'s convention).
@@ -275,7 +309,8 @@ def model_logprobs(
     states, chunked and recomputed in backward (:func:`logprobs_from_hidden`, the module
     docstring); otherwise from the model's full logits (``chunk_tokens`` then chunks only the
     log-softmax). A DDP wrapper: the same, its forward giving the hidden states
-    (:func:`ddp_hidden`). ``None``/0: the full logits, exactly as before."""
+    (:func:`ddp_hidden`). ``None``/0: the full logits, exactly as before. ``entropy_grad`` False:
+    the entropy without autograd (a metric only, see the module docstring)."""
     if chunk_tokens:
         found: tuple[torch.Tensor, torch.nn.Module] | None = None
         if _ddp_inner(model) is not None:
@@ -287,6 +322,7 @@ def model_logprobs(
             return logprobs_from_hidden(
                 hidden, head, src_B_L, targets_B_L,
                 temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                entropy_grad=entropy_grad,
             )  # fmt: skip
     out = model(**inputs)
     return logprobs_from_logits(
@@ -296,6 +332,7 @@ def model_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens or None,
+        entropy_grad=entropy_grad,
     )
 
 
@@ -308,12 +345,13 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`logprobs_from_logits` of ``head(hidden)`` without ever holding more than
     ``chunk_tokens`` positions' logits: the distinct source positions are taken ``chunk_tokens`` at
     a time, each chunk's head → float32 → ``/ T`` → log-softmax → read-out under
     ``torch.utils.checkpoint`` when autograd records (backward recomputes it). Float32 results,
-    0 where ``src_B_L < 0``."""
+    0 where ``src_B_L < 0``. ``entropy_grad`` False: the entropy without autograd (a metric)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     temp = effective_temperature(temperature)
@@ -334,10 +372,12 @@ def logprobs_from_hidden(
         if temp != 1.0:
             logits = logits / temp
         logp = torch.log_softmax(logits, dim=-1)  # [C, V]
+        del logits  # not kept for backward (log-softmax keeps its output): one [C, V] less at a time
         lp = logp[at_N, tgt_N]
         if not with_entropy:
             return (lp,)
-        return lp, -(logp.exp() * logp).sum(-1)[at_N]
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return lp, _entropy(logp)[at_N]
 
     lp_parts: list[torch.Tensor] = []
     ent_parts: list[torch.Tensor] = []

@@ -40,6 +40,7 @@ from treegrpo.train.checkpoint import (
 from treegrpo.train.config import TrainConfig, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.train.distributed import Parallel, QuietLogger, full_optimizer_state, shard
 from treegrpo.train.evaluate import evaluate, headline
+from treegrpo.train.memory import return_freed_memory
 from treegrpo.train.metrics import MetricsLogger, peak_rss_gb
 from treegrpo.train.monitors import check_step
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
@@ -131,6 +132,7 @@ def train(
             return _finished(out, cfg, resume_from, console)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see train/memory.py
 
     # -- the pieces ------------------------------------------------------------------------------
     parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps

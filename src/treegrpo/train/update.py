@@ -122,7 +122,13 @@ def update(
     """
     strict = cfg.packing == "on"
     packed = wants_packing(cfg, loss_cfg) and packing_supported(
-        par.local_module(model), forests, pad_id, cfg.device, strict=strict and not par.active, log=log
+        par.local_module(model),
+        forests,
+        pad_id,
+        cfg.device,
+        strict=strict and not par.active,
+        log=log,
+        chunk_tokens=chunk_tokens(cfg),
     )
     if par.active:  # one decision for all ranks: packed only if every rank can
         packed = par.all_true(packed)
@@ -211,6 +217,7 @@ def update_packed(
             plan.extend(empty_batch(pad_id, norm.n_tokens) for _ in range(n_mb - len(plan)))  # type: ignore[union-attr]
     # Old log-probs: with one optimizer step per batch the policy has not moved (ratio 1).
     temp, chunk = effective_temperature(cfg.temperature), chunk_tokens(cfg)
+    ent_grad = loss_cfg.entropy_coef > 0  # otherwise the entropy is a metric: no graph of its own
     old = None if cfg.mini_batches == 1 else _plan_logprobs(model, plans, cfg.device, temp, chunk)
     ref = (
         with_reference(ref_model, lambda m: _plan_logprobs(m, plans, cfg.device, temp, chunk))
@@ -235,7 +242,7 @@ def update_packed(
             mb = mb.to(cfg.device)
             with par.sync(last=j == len(plan) - 1):
                 lp, ent = packed_logprobs(
-                    grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk
+                    grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
                 with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
                     before = old[k][j] if old is not None else lp
@@ -258,6 +265,7 @@ def update_packed(
                 add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
             tokens_paths += mb.n_path_tokens
             tokens_packed += mb.n_packed_tokens
+            del lp, ent, loss  # this micro-batch's graph, before the next forward
         add("actor/ratio_max", ratio_max)
         ratio_maxes.append(ratio_max)
         if not clip_and_step(model, optimizer, cfg.grad_clip, add):
@@ -324,6 +332,7 @@ def update_paths(
         else None
     )
     temp, chunk = effective_temperature(cfg.temperature), chunk_tokens(cfg)
+    ent_grad = loss_cfg.entropy_coef > 0  # otherwise the entropy is a metric: no graph of its own
     norms = par.global_norms([LossNormalizers.of(seqs[i].policy_mask for i in mini) for mini in minis])
     micro: list[list[list[int]]] = [
         [
@@ -351,7 +360,7 @@ def update_paths(
             mb = collate([seqs[i] for i in ids] if ids else [_EMPTY], pad_id).to(cfg.device)
             with par.sync(last=j == len(mbs) - 1):
                 lp, ent = token_logprobs(
-                    grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk
+                    grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
                 old_lp = _gather(old, ids, lp)
                 with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
@@ -377,6 +386,7 @@ def update_paths(
                 add(k, v if k.startswith("loss/") else v * token_share)
             with torch.no_grad():
                 add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
+            del lp, ent, loss  # this micro-batch's graph, before the next forward
         add("actor/ratio_max", ratio_max)
         ratio_maxes.append(ratio_max)
         if not clip_and_step(model, optimizer, cfg.grad_clip, add):

@@ -31,6 +31,7 @@ from treegrpo.rollout.engine import make_engine
 from treegrpo.tasks.datafile import search_demos
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.evaluate import evaluate
+from treegrpo.train.memory import return_freed_memory
 from treegrpo.train.setup import build_run
 from treegrpo.train.warmup import (
     WARMUP_RECORD,
@@ -76,6 +77,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     if not cfg.data:
         raise ConfigError("warmup needs questions and a retriever: --data Q (e.g. wiki-vital-qa) --corpus C")
     t0 = time.perf_counter()
+    return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see train/memory.py
     parts = build_run(cfg)
     model, tok = parts.model, parts.tokenizer
     env = parts.env

@@ -56,6 +56,7 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each packed token given its ancestors, from one forward over the packed rows.
 
@@ -64,7 +65,7 @@ def packed_logprobs(
         batch: a packed micro-batch (on the model's device).
         with_entropy: also return the full-distribution entropy of the prediction of each token.
         temperature: the sampling temperature the log-probs are computed at (0 → 1).
-        chunk_tokens: see :func:`~treegrpo.train.logprobs.model_logprobs`.
+        chunk_tokens, entropy_grad: see :func:`~treegrpo.train.logprobs.model_logprobs`.
 
     Returns:
         ``(logprobs_B_L, entropy_B_L | None)``: 0 on the first token of each path and on pads, as
@@ -84,6 +85,7 @@ def packed_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
+        entropy_grad=entropy_grad,
     )
 
 

@@ -46,6 +46,7 @@ def packing_supported(
     device: str | torch.device = "cpu",
     strict: bool = False,
     log: Callable[[str], object] | None = None,
+    chunk_tokens: int | None = None,
 ) -> bool:
     """Whether ``model`` trains correctly on packed rows; probed once per model, then cached.
 
@@ -53,10 +54,13 @@ def packing_supported(
     eval mode) and compares its log-probs with the per-path forward of the same paths. An
     exception (a model that rejects a 4D mask or ``position_ids``) or a mismatch (a model that
     silently ignores them) marks the model as not packable: one line goes to ``log`` and the
-    caller trains per path; with ``strict`` a RuntimeError is raised instead.
+    caller trains per path; with ``strict`` a RuntimeError is raised instead. ``chunk_tokens``:
+    both forwards read their log-probs as training does (``logprob_chunk_tokens``, see
+    :func:`~treegrpo.train.logprobs.model_logprobs`), so the probe never holds the full logits
+    of three whole paths (3 × 4k tokens × 49152 ids × 4 bytes = 2.4 GB per copy for SmolLM2).
     """
     if model not in _PACKING_CHECKED:
-        decided, reason = _probe(model, forests, pad_id, device)
+        decided, reason = _probe(model, forests, pad_id, device, chunk_tokens)
         if not decided:
             return True  # no path to probe on, so nothing to train either: decide on the next batch
         _PACKING_CHECKED[model] = reason
@@ -72,7 +76,11 @@ def packing_supported(
 
 @torch.no_grad()
 def _probe(
-    model: torch.nn.Module, forests: Sequence[Forest], pad_id: int, device: str | torch.device
+    model: torch.nn.Module,
+    forests: Sequence[Forest],
+    pad_id: int,
+    device: str | torch.device,
+    chunk_tokens: int | None = None,
 ) -> tuple[bool, str | None]:
     """``(decided, reason)``: reason None when packed log-probs match per-path ones on a few real
     paths; ``decided`` is False when the batch has no path to probe on."""
@@ -87,7 +95,7 @@ def _probe(
     try:
         (mb,) = pack_forests(forests, select=select, pad_id=pad_id, max_tokens=1 << 30)
         mb = mb.to(device)
-        packed = mb.unpack(packed_logprobs(model, mb)[0])
+        packed = mb.unpack(packed_logprobs(model, mb, chunk_tokens=chunk_tokens)[0])
         paths = forests[big].paths()
         seqs = [
             TrainSequence(
@@ -95,7 +103,7 @@ def _probe(
             )
             for j in pick
         ]
-        ref, _ = token_logprobs(model, collate(seqs, pad_id).to(device))
+        ref, _ = token_logprobs(model, collate(seqs, pad_id).to(device), chunk_tokens=chunk_tokens)
     except Exception as e:  # the model rejected the mask or the position ids
         return True, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     finally:
