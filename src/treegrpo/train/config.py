@@ -346,6 +346,7 @@ REAL_CHUNK_TOKENS = 1024  # one chunk's float32 logits: 1024 x 49152 (SmolLM2) x
 #: first searches overran the cap (``bench real``); 128 holds a p99 wiki-vital-qa question.
 TINY_LIMITS = {"max_step_tokens": 48, "max_context_tokens": 3072}
 REAL_LIMITS = {"max_step_tokens": 128, "max_context_tokens": 4096}
+AUTO_LIMITS = tuple(TINY_LIMITS)  # the agent-limit fields that take ``auto``
 
 
 def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] | None = None) -> TrainConfig:
@@ -375,9 +376,9 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] 
     if cfg.gradient_checkpointing == "auto":
         update["gradient_checkpointing"] = not tiny
     kind = TINY_LIMITS if tiny else REAL_LIMITS
-    for k, default in kind.items():
+    for k in AUTO_LIMITS:
         if getattr(cfg, k) == "auto":
-            update[k] = (limits or kind).get(k, default)
+            update[k] = (limits or kind)[k]
     if not update:
         return cfg
     return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})

@@ -37,7 +37,7 @@ from treegrpo.train.checkpoint import (
     resume_config,
     save_run,
 )
-from treegrpo.train.config import TrainConfig, resolve_model_defaults, warn_single_leaf_groups
+from treegrpo.train.config import AUTO_LIMITS, TrainConfig, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.train.distributed import Parallel, QuietLogger, full_optimizer_state, shard
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.memory import return_freed_memory
@@ -136,7 +136,7 @@ def train(
 
     # -- the pieces ------------------------------------------------------------------------------
     parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps
-    limits = {k: getattr(parts.agent_cfg, k) for k in ("max_step_tokens", "max_context_tokens")}
+    limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
     model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
     ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
