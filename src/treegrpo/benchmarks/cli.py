@@ -243,13 +243,19 @@ def bench_stateful_cmd(
 
 @bench.command("real")
 def bench_real_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/real.json"), help="Results JSON (plot next to it, .png)."),
+    out: Path | None = typer.Option(None, help="Results JSON, plot next to it (.png) [default: benchmarks/results/real.json; with --table real_table.json]."),
     work: Path = typer.Option(Path("runs/bench-real"), help="Work folder: warm-up model, RL runs, step runs (a finished stage is reused)."),
-    model: str = typer.Option("smollm2-135m", help="Starting model (a --model reference)."),
+    model: str = typer.Option("smollm2-135m", help="Starting model (a --model reference). With --table, a folder with a warm-up record is the table's start as it is; any other model is warmed up first (the warm-up stage)."),
+    table: bool = typer.Option(False, "--table", help="The budget table instead of the three stages: chain vs Tree-GRPO at the paper's matched budgets, paired per seed, greedy and sampled held-out EM (resumable run by run)."),
+    budgets: str = typer.Option("2,4", help="--table: chain budgets, each paired with the paper's tree (2: (1,2,1), 4: (2,2,1), 8: (2,6,1), 16: (4,5,1))."),
+    seeds: str = typer.Option("0,1", help="--table: seeds; one chain/tree pair per budget and seed."),
+    eval_every: int = typer.Option(0, help="--table: steps between held-out evaluations inside a run (the EM curve); 0 = the end only."),
+    data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
+    corpus: str = typer.Option("wiki-vital", help="Retriever corpus (BM25, in process)."),
     demos: int = typer.Option(96, help="Warm-up demonstrations."),
     sft_lr: float = typer.Option(1e-4, help="Warm-up AdamW learning rate."),
     sft_batch: int = typer.Option(4, help="Warm-up demonstrations per optimizer step."),
-    eval_prompts: int = typer.Option(16, help="Held-out questions per evaluation (greedy)."),
+    eval_prompts: int | None = typer.Option(None, help="Held-out questions per evaluation [default: 16 greedy; with --table 128, greedy and sampled]."),
     rl_steps: int = typer.Option(4, help="Steps of each paired RL run (tree (2,2,1) and chain 4)."),
     prompts_per_step: int = typer.Option(2, help="Prompts per RL step."),
     rl_lr: float = typer.Option(1e-5, help="RL learning rate (a few steps: above the 1e-6 full fine-tuning default)."),
@@ -266,6 +272,7 @@ def bench_real_cmd(
     from treegrpo.errors import ConfigError
 
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    eval_prompts = eval_prompts or (128 if table else 16)
     if bad := [m for m in mode_list if m not in MODES]:
         typer.echo(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}", err=True)
         raise typer.Exit(2)
@@ -277,12 +284,19 @@ def bench_real_cmd(
         typer.echo("error: --set takes key=value", err=True)
         raise typer.Exit(2)
     spec = RealSpec(
-        model=model, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch, eval_prompts=eval_prompts,
-        rl_steps=rl_steps, prompts_per_step=prompts_per_step, rl_lr=rl_lr, seed=seed, cost_prompts=cost_prompts,
-        cost_modes=mode_list, overrides=overrides,
+        model=model, data=data, corpus=corpus, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch,
+        eval_prompts=eval_prompts, rl_steps=rl_steps, prompts_per_step=prompts_per_step, rl_lr=rl_lr, seed=seed,
+        cost_prompts=cost_prompts, cost_modes=mode_list, overrides=overrides,
     )  # fmt: skip
+    log = lambda m: typer.echo(m, err=True)  # noqa: E731
     try:
-        run_bench(spec, work, out, log=lambda m: typer.echo(m, err=True))
+        if table:
+            from treegrpo.benchmarks.real import table_bench
+
+            table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
+                        _ints(seeds, "--seeds"), eval_every, log)  # fmt: skip
+            return
+        run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=log)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -356,3 +370,15 @@ def bench_peers_cmd(
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         typer.echo("\n".join(str(e).splitlines()[1:]), err=True)
         raise typer.Exit(1) from None
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of integers, or a one-line error naming ``flag``."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out:
+        typer.echo(f"error: {flag} {text!r}: give comma-separated integers, e.g. {flag} 0,1", err=True)
+        raise typer.Exit(2)
+    return out

@@ -226,6 +226,25 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
     return results
 
 
+def table_bench(
+    spec: RealSpec, work: Path, out: Path, budgets: tuple[int, ...], seeds: tuple[int, ...], eval_every: int, log: Log
+) -> dict[str, Any]:
+    """``bench real --table``: the budget table (:mod:`treegrpo.benchmarks.real_table`) from
+    ``spec.model`` when it is a warm-up folder, else from the warm-up stage's output (run or reused)."""
+    from treegrpo.benchmarks.real_table import TableSpec, run_table
+
+    start = Path(spec.model)
+    if not (start / RECORD_FILE).is_file():
+        warmup_stage(spec, work, log)
+        start = work / "warm"
+    table = TableSpec(
+        model=str(start), data=spec.data, corpus=spec.corpus, budgets=budgets, seeds=seeds, steps=spec.rl_steps,
+        prompts_per_step=spec.prompts_per_step, lr=spec.rl_lr, eval_prompts=spec.eval_prompts,
+        eval_every=eval_every, overrides=spec.overrides,
+    )  # fmt: skip
+    return run_table(table, work / "table", out, log)
+
+
 def plot(results: dict[str, Any], png: Path) -> None:
     """Warm-up before/after, RL tree vs chain before/after, and step costs, side by side."""
     import matplotlib

@@ -1,0 +1,289 @@
+"""``treegrpo bench real --table``: the paper's budget table on any model — chain GRPO vs Tree-GRPO
+at matched budgets, paired, from one starting folder.
+
+For every budget B (the paper's pairs: chain 2 ↔ tree (1,2,1), chain 4 ↔ tree (2,2,1)) and every
+seed, the two runs share the starting folder, the seed (so the same prompts in the same order) and
+the held-out questions; each trains ``steps`` steps of ``prompts_per_step`` prompts. Held-out EM is
+measured greedy and sampled at T=1 on ``eval_prompts`` questions at the start (once: evaluation
+draws from its own fixed stream, so every run starts from the same figures) and at the end of every
+run (and every ``eval_every`` steps, for the EM-per-generated-token curves). Budgets are measured
+(generated tokens, tool calls, trajectories) and shown beside the nominal chain count.
+
+Resumable: each run lives in ``work/runs/<label>-<digest of its settings>`` and checkpoints every
+step, so an interrupted table resumes in the run it was in, and a finished run is reused only when
+its settings match. The rows are :data:`~treegrpo.benchmarks.learn_spec.ROW_KEYS` (as ``bench
+learn`` writes them) plus :data:`EXTRA_KEYS`; ``paired`` holds tree − chain per budget and seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treegrpo.benchmarks.learn_spec import RunSpec
+from treegrpo.benchmarks.provenance import provenance
+from treegrpo.errors import ConfigError
+from treegrpo.io import atomic_write_json
+from treegrpo.rollout.planner import PAPER_PAIRS
+
+Log = Callable[[str], None]
+
+FORMAT = "treegrpo.bench.real_table/v1"
+#: Row keys beyond ``bench learn``'s.
+EXTRA_KEYS: tuple[str, ...] = (
+    "em_greedy_start",
+    "eval_prompts",
+    "prompt_ids",
+    "prefill_tokens",
+    "rollout_s",
+    "update_s",
+    "run_dir",
+)
+#: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
+PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What the table runs (every field is recorded in the results).
+
+    Attributes:
+        model: the starting folder every run loads (e.g. a ``treegrpo warmup`` output).
+        data / corpus: training and held-out questions, and the in-process retriever's corpus.
+        budgets: chain budgets; each is paired with the paper's tree (``PAPER_PAIRS``).
+        seeds: one pair of runs per budget and seed (prompt order and sampling streams).
+        steps / prompts_per_step / lr: each run (AdamW, constant lr).
+        eval_prompts: held-out questions, greedy and sampled, at the start and end of every run.
+        eval_every: steps between evaluations inside a run (the EM curve); 0 = the end only.
+        overrides: further :class:`~treegrpo.train.config.TrainConfig` fields of every run
+            (``--set key=value``: LoRA, packing, threads, agent limits, engine), the same for both samplers.
+    """
+
+    model: str
+    data: str = "wiki-vital-qa"
+    corpus: str = "wiki-vital"
+    budgets: tuple[int, ...] = (2, 4)
+    seeds: tuple[int, ...] = (0, 1)
+    steps: int = 4
+    prompts_per_step: int = 2
+    lr: float = 1e-5
+    eval_prompts: int = 128
+    eval_every: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if bad := [b for b in self.budgets if b not in PAPER_PAIRS]:
+            raise ConfigError(
+                f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}"
+            )
+        if (
+            not self.seeds
+            or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1
+            or self.eval_every < 0
+        ):
+            raise ConfigError(
+                "the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)"
+            )
+
+    def runs(self) -> list[RunSpec]:
+        """Chain then tree for every budget and seed (the pairs next to each other)."""
+        out = []
+        for b in self.budgets:
+            m, n, l = PAPER_PAIRS[b]
+            for s in self.seeds:
+                out.append(RunSpec("chain", b, b, 0, 0, None, "grpo", s, 0))
+                out.append(RunSpec("tree", b, m, n, l, "random", "tree_grpo", s, 0))
+        return out
+
+    def config(self, run: RunSpec, out_dir: str) -> dict[str, Any]:
+        """The run's :class:`~treegrpo.train.config.TrainConfig` fields."""
+        every = self.eval_every or self.steps
+        return {
+            "model": self.model, "data": self.data, "corpus": self.corpus, "steps": self.steps,
+            "prompts_per_step": self.prompts_per_step, "lr": self.lr, "eval_prompts": self.eval_prompts,
+            "eval_sampled": True, "eval_every": every, "save_every": 1, "tensorboard": False, "resume": True,
+            "out_dir": out_dir, **self.overrides, **run.overrides(),
+        }  # fmt: skip
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label).strip("_")
+
+
+def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
+    """The starting folder's held-out evaluation (greedy and sampled) and the questions' ids,
+    computed once and kept in ``work``."""
+    from treegrpo.rollout.agent import StepRunner
+    from treegrpo.rollout.engine import make_engine
+    from treegrpo.train.config import TrainConfig
+    from treegrpo.train.evaluate import evaluate
+    from treegrpo.train.setup import build_run
+
+    probe = spec.config(spec.runs()[0], str(work / "unused"))
+    keep = {k: probe[k] for k in ("model", "data", "corpus", "eval_prompts")} | spec.overrides
+    path = work / f"eval_start-{_digest(keep)}.json"
+    if path.is_file():
+        log(f"start evaluation: reusing {path}")
+        return json.loads(path.read_text())
+    cfg = TrainConfig(**probe)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    log(f"start evaluation: {spec.eval_prompts} held-out questions, greedy and sampled")
+    parts = build_run(cfg)
+    engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
+    t0 = time.perf_counter()
+    ev = evaluate(
+        StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg), parts.eval_tasks, sampled=True
+    )
+    done = {
+        "settings": keep,
+        "eval": ev,
+        "eval_ids": [t.id for t in parts.eval_tasks],
+        "wall_s": time.perf_counter() - t0,
+    }
+    atomic_write_json(path, done)
+    return done
+
+
+def run_one(
+    spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], log: Log
+) -> dict[str, Any]:
+    """Train (or resume, or reuse) one run; its row."""
+    from treegrpo.train.config import TrainConfig
+    from treegrpo.train.trainer import TrainSummary, train
+
+    settings = spec.config(run, "")
+    run_dir = work / "runs" / f"{_slug(run.label)}-s{run.seed}-{_digest(settings)}"
+    summary = TrainSummary.read(run_dir / "summary.json")
+    if summary is None or summary.steps < spec.steps:
+        log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
+        summary = train(TrainConfig(**spec.config(run, str(run_dir))), eval_start=eval_start)
+    s = summary
+    prompt_ids = [
+        json.loads(line)["prompt_id"]
+        for f in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
+    row = {
+        "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
+        "advantage": run.advantage, "seed": run.seed, "world_seed": run.world_seed,
+        "em_start": s.eval_start["eval/success_sampled"], "em_end": s.eval_end["eval/success_sampled"],
+        "em_greedy_end": s.eval_end["eval/success_greedy"], "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
+        "generated_tokens": s.generated_tokens, "tool_calls": s.tool_calls, "trajectories": s.trajectories,
+        "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
+        "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
+        "em_greedy_start": s.eval_start["eval/success_greedy"], "eval_prompts": spec.eval_prompts,
+        "prompt_ids": prompt_ids, "prefill_tokens": s.prefill_tokens, "rollout_s": round(s.rollout_s, 2),
+        "update_s": round(s.update_s, 2), "run_dir": str(run_dir),
+    }  # fmt: skip
+    return row
+
+
+def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tree − chain per budget and seed (sampled and greedy EM at the end), with mean, spread and
+    wins over seeds, and the measured budget ratios (tree / chain)."""
+    out: dict[str, Any] = {}
+    for b in sorted({r["budget"] for r in rows}):
+        pairs = []
+        for s in sorted({r["seed"] for r in rows if r["budget"] == b}):
+            by = {r["mode"]: r for r in rows if r["budget"] == b and r["seed"] == s}
+            if set(by) != {"chain", "tree"}:
+                continue
+            c, t = by["chain"], by["tree"]
+            if c["prompt_ids"] != t["prompt_ids"]:
+                raise ValueError(f"budget {b} seed {s}: the pair saw different prompts")
+            pairs.append({
+                "seed": s, "diff_sampled": t["em_end"] - c["em_end"], "diff_greedy": t["em_greedy_end"] - c["em_greedy_end"],
+                **{f"{k}_ratio": t[k] / max(1, c[k]) for k in ("generated_tokens", "tool_calls", "trajectories")},
+            })  # fmt: skip
+        if not pairs:
+            continue
+        summary: dict[str, Any] = {"pairs": pairs}
+        for k in ("diff_sampled", "diff_greedy", "generated_tokens_ratio", "trajectories_ratio"):
+            xs = [p[k] for p in pairs]
+            summary[k] = {
+                "mean": statistics.fmean(xs),
+                "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                "min": min(xs),
+                "max": max(xs),
+            }
+        summary["tree_wins_sampled"] = sum(p["diff_sampled"] > 0 for p in pairs)
+        out[str(b)] = summary
+    return out
+
+
+def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
+    """Every run of the table (resuming), then ``out`` (JSON) and its PNG; returns the results."""
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    start = start_eval(spec, work, log)
+    rows = [run_one(spec, r, work, start["eval"], log) for r in spec.runs()]
+    results = {
+        "format": FORMAT,
+        "provenance": provenance(model_dir=spec.model),
+        "spec": asdict(spec),
+        "eval_start": start["eval"],
+        "eval_ids": start["eval_ids"],
+        "rows": rows,
+        "paired": paired(rows),
+        "paper": PAPER,
+        "wall_s": time.perf_counter() - t0,
+    }
+    atomic_write_json(out, results)
+    plot(results, out.with_suffix(".png"))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+    return results
+
+
+def plot(results: dict[str, Any], png: Path) -> None:
+    """Held-out EM (sampled) against generated tokens per run, and the paired differences per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in results["rows"]:
+        xs, ys = zip(*r["em_curve"], strict=True) if r["em_curve"] else ((), ())
+        color = "C0" if r["mode"] == "chain" else "C1"
+        ls = "-" if r["budget"] == min(x["budget"] for x in results["rows"]) else "--"
+        label = f"{r['mode']} {r['budget']}" if r["seed"] == results["rows"][0]["seed"] else None
+        ax.plot([x / 1000 for x in xs], ys, marker="o", color=color, ls=ls, label=label)
+    ax.set_xlabel("generated tokens (thousands)")
+    ax.set_ylabel(f"held-out EM, sampled ({results['spec']['eval_prompts']} questions)")
+    ax.set_title("EM per generated token, every run")
+    ax.legend()
+    budgets = sorted(results["paired"], key=int)
+    for i, b in enumerate(budgets):
+        p = results["paired"][b]
+        for q in p["pairs"]:
+            bx.scatter(i - 0.1, q["diff_sampled"], color="C1")
+            bx.scatter(i + 0.1, q["diff_greedy"], color="C2")
+        bx.errorbar(i - 0.1, p["diff_sampled"]["mean"], yerr=p["diff_sampled"]["sd"], color="k", capsize=4)
+        bx.errorbar(i + 0.1, p["diff_greedy"]["mean"], yerr=p["diff_greedy"]["sd"], color="grey", capsize=4)
+    bx.axhline(0, color="grey", lw=1)
+    bx.set_xticks(
+        range(len(budgets)),
+        [
+            f"budget {b}\ntree/chain tokens {results['paired'][b]['generated_tokens_ratio']['mean']:.2f}×"
+            for b in budgets
+        ],
+    )
+    bx.set_ylabel("tree − chain EM at the end (orange sampled, green greedy)")
+    bx.set_title("paired differences per seed (mean ± sd)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

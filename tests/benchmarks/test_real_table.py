@@ -1,0 +1,77 @@
+"""``bench real --table`` end to end on SmolLM2 cut to 2 layers (tiny sizes): the paired runs, the
+rows as ``bench learn`` writes them plus the table's keys, the paired differences, the plot, the
+resume (a finished run is reused, a changed setting is a new run); ``paired`` on hand-made rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treegrpo.benchmarks.learn_spec import ROW_KEYS
+from treegrpo.benchmarks.real_table import EXTRA_KEYS, TableSpec, paired, run_table
+from treegrpo.errors import ConfigError
+
+LIMITS = {"max_turns": 1, "max_step_tokens": 128, "max_obs_tokens": 200, "max_context_tokens": 1024}
+
+
+def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    spec = TableSpec(
+        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0, 1), steps=1, prompts_per_step=1, eval_prompts=2,
+        overrides=LIMITS,
+    )  # fmt: skip
+    out, said = tmp_path / "table.json", []
+    res = run_table(spec, tmp_path / "work", out, said.append)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and out.with_suffix(".png").stat().st_size > 0
+    rows = res["rows"]
+    assert [(r["mode"], r["seed"], r["M"], r["N"], r["L"]) for r in rows] == [
+        ("chain", 0, 2, 0, 0), ("tree", 0, 1, 2, 1), ("chain", 1, 2, 0, 0), ("tree", 1, 1, 2, 1),
+    ]  # fmt: skip
+    assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
+    assert len(res["eval_ids"]) == 2 and all(r["eval_prompts"] == 2 for r in rows)
+    for chain, tree in (rows[0:2], rows[2:4]):  # a pair: the same prompts, the same start
+        assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 1
+        assert chain["em_start"] == tree["em_start"] == res["eval_start"]["eval/success_sampled"]
+        assert chain["trajectories"] == 2 and tree["trajectories"] >= 2 and chain["generated_tokens"] > 0
+    pair = res["paired"]["2"]["pairs"][1]
+    assert pair["seed"] == 1 and pair["diff_sampled"] == rows[3]["em_end"] - rows[2]["em_end"]
+    assert pair["generated_tokens_ratio"] == rows[3]["generated_tokens"] / rows[2]["generated_tokens"]
+    said.clear()  # resumed: every run and the start evaluation are reused
+    again = run_table(spec, tmp_path / "work", out, said.append)
+    assert again["rows"] == rows and said[0].startswith("start evaluation: reusing") and len(said) == 2
+    longer = TableSpec(**{**spec.__dict__, "seeds": (0,), "steps": 2})  # another setting: a new run, not a reuse
+    said.clear()
+    res2 = run_table(longer, tmp_path / "work", tmp_path / "t2.json", said.append)
+    assert sum(": 2 steps" in m for m in said) == 2 and {r["run_dir"] for r in res2["rows"]}.isdisjoint(r["run_dir"] for r in rows)
+
+
+def _row(mode: str, seed: int, em: float, greedy: float, tokens: int, ids: list[str]) -> dict[str, Any]:
+    return {
+        "mode": mode, "budget": 2, "seed": seed, "em_end": em, "em_greedy_end": greedy, "generated_tokens": tokens,
+        "tool_calls": tokens // 10, "trajectories": 4 if mode == "chain" else 6, "prompt_ids": ids,
+    }  # fmt: skip
+
+
+def test_paired_differences_by_hand() -> None:
+    rows = [
+        _row("chain", 0, 0.50, 0.60, 1000, ["a"]), _row("tree", 0, 0.75, 0.55, 1200, ["a"]),
+        _row("chain", 1, 0.40, 0.50, 800, ["b"]), _row("tree", 1, 0.45, 0.70, 1000, ["b"]),
+    ]  # fmt: skip
+    p = paired(rows)["2"]
+    assert [q["diff_sampled"] for q in p["pairs"]] == pytest.approx([0.25, 0.05], abs=1e-12)
+    assert p["diff_sampled"]["mean"] == pytest.approx(0.15, abs=1e-12)
+    assert p["diff_sampled"]["sd"] == pytest.approx(0.1414213562373095, abs=1e-12)  # sqrt(2 * 0.1² / 1)
+    assert p["diff_greedy"]["min"] == pytest.approx(-0.05, abs=1e-12) and p["diff_greedy"]["max"] == pytest.approx(0.2)
+    assert p["generated_tokens_ratio"]["mean"] == pytest.approx((1.2 + 1.25) / 2, abs=1e-12)
+    assert p["trajectories_ratio"]["mean"] == pytest.approx(1.5, abs=1e-12) and p["tree_wins_sampled"] == 2
+    rows[1]["prompt_ids"] = ["z"]
+    with pytest.raises(ValueError, match="different prompts"):
+        paired(rows)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [("budgets", (3,), "paper's budgets"), ("seeds", (), "seed")])
+def test_table_spec_names_a_bad_setting(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TableSpec(model="m", **{field: value})
