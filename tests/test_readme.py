@@ -367,3 +367,21 @@ def test_a_stale_command_is_caught(block: str, problem: str) -> None:
 def test_commands_parse_shell() -> None:
     body = "A=1 cmd --x 'a b' && other # note\nthird \\\n  --y &\ncat > f <<'EOF'\nnot: a command\nEOF\nlast"
     assert commands(body) == [["cmd", "--x", "a b"], ["other"], ["third", "--y"], ["cat"], ["last"]]
+
+
+def test_the_cheap_blocks_print_what_their_comments_say() -> None:
+    """The figures in the comments of the README's executed block, hand-derived: both groups of the
+    example forest are {1, 0} (mean 0.5, unbiased std sqrt(0.5)), so each leaf gets twice
+    ±0.5 / (sqrt(0.5) + 1e-6); a chain budget of 8 is the paper's pair (2,6,1)."""
+    body = next(b for _, b in readme_blocks() if "treegrpo advantages" in b)
+    assert "+1.414 and -1.414" in body and "(2,6,1)" in body
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run([sys.executable, "-m", "treegrpo", "advantages", "-e", "tree_grpo", "docs/forest-example.json"])
+    leaves = {
+        n["id"]: n["advantage"] for n in json.loads(res.stdout)["trees"][0]["nodes"] if "advantage" in n
+    }
+    term = 0.5 / (0.5**0.5 + 1e-6)
+    assert leaves == pytest.approx({2: 2 * term, 3: -2 * term}, abs=1e-12)
+    assert round(leaves[2], 3) == 1.414
+    res = run([sys.executable, "-m", "treegrpo", "plan", "--budget", "8"])
+    assert "(M,N,L) = (2,6,1)" in res.stdout, res.stdout
