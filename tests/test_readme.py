@@ -109,6 +109,8 @@ def treegrpo_help(path: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]
             flags.update(f for f in m[1].split(",") if f)
             if m[2]:
                 flags.add(m[2])
+    if "--help" not in flags:  # the help's layout changed: fail loudly rather than miss flags
+        raise LookupError(f"`treegrpo {' '.join(path)} --help`: no option box found in {res.stdout[:300]!r}")
     return frozenset(subs), frozenset(flags)
 
 
