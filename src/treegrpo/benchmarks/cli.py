@@ -202,7 +202,7 @@ def bench_learn_cmd(
         typer.echo("error: " + "; ".join(problems), err=True)
         raise typer.Exit(2)
     if gigpo:
-        from treegrpo.benchmarks.learn_gigpo import run_gigpo_bench
+        from treegrpo.benchmarks.learn import run_gigpo_bench
 
         run_gigpo_bench(
             out, task=task, regime=regime, seeds=seeds, jobs=jobs, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
