@@ -40,28 +40,26 @@ import torch
 
 from treegrpo.benchmarks.budget import (
     DEFAULT_EXPAND_MODES,
-    AgentParts,
     Measurement,
-    PhaseRunner,
-    RecordingEngine,
     RunSpec,
     chain_spec,
     counts_key,
-    load_agent,
-    torch_threads,
+    critical_specs,
+    run_once,
+    summarize,
     tree_spec,
 )
-from treegrpo.benchmarks.budget_report import summarize
+from treegrpo.benchmarks.budget_parts import AgentParts, load_agent
 from treegrpo.benchmarks.provenance import provenance
+from treegrpo.benchmarks.runner import pyplot, save_figure, torch_threads, write_result
 from treegrpo.rollout.planner import PAPER_PAIRS
-from treegrpo.rollout.samplers import get_sampler
 
 FORMAT = "treegrpo.bench.budget_engine/v1"
 
 
 def engine_specs() -> list[RunSpec]:
     """chain 4, tree (2,2,1) random, tree (2,2,1) nonroot."""
-    return [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
+    return critical_specs()
 
 
 def load_any_agent(model: str | None, max_turns: int, max_step_tokens: int) -> AgentParts:
@@ -79,25 +77,9 @@ def load_any_agent(model: str | None, max_turns: int, max_step_tokens: int) -> A
     return AgentParts(parts.model.eval(), parts.tokenizer, parts.env, parts.agent_cfg, parts.train_tasks, parts.model_dir)
 
 
-def _reset(engine: Any) -> None:
-    """An empty prefix cache for the next run (vLLM's lives as long as the engine)."""
-    reset = getattr(getattr(engine, "llm", None), "reset_prefix_cache", None)
-    if callable(reset):
-        reset()
-
-
 def run_with(agent: AgentParts, tasks: Sequence[Any], spec: RunSpec, make: Callable[[], Any], seed: int) -> Measurement:
     """Roll out ``spec`` on ``tasks`` with the engine ``make()`` returns (prefix cache emptied)."""
-    inner = make()
-    _reset(inner)
-    engine = RecordingEngine(inner)
-    runner = PhaseRunner(engine, agent.env, agent.tokenizer, agent.agent_cfg)  # type: ignore[arg-type]
-    cpu0 = time.process_time()
-    result = get_sampler(spec.mode)(
-        runner, list(tasks), spec.sampler_config(), random.Random(seed), torch.Generator().manual_seed(seed)
-    )
-    cpu = time.process_time() - cpu0
-    return Measurement(spec, True, len(tasks), result, engine.calls, [result.wall_s], [cpu], {})
+    return run_once(agent, tasks, spec, True, seed, engine=make())
 
 
 def engine_figures(meas: Measurement, detail: dict[str, Any]) -> dict[str, Any]:
@@ -232,9 +214,7 @@ def run_engine_bench(
         doc["against"] = {"file": str(against), "engine_figures": other["engine_figures"]}
     doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     doc["provenance"] = provenance(model_dir=agent.model_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot_engines(doc, out.with_suffix(".png"))
+    write_result(out, doc, plot_engines)
     for f in figures:
         log(
             f"{f['config']:<24} wall {f['wall_s']:7.2f}s  cpu {f['cpu_s']:7.2f}s  gen/cpu-s {f['gen_tokens_per_cpu_s']}  "
@@ -249,11 +229,7 @@ def run_engine_bench(
 def plot_engines(doc: dict[str, Any], png: Path) -> None:
     """Generated tokens per CPU second and wall ms per generated token, per configuration, for
     this engine (and the compared one when present)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sets = [(doc["meta"]["engine"], doc["engine_figures"])]
     if "against" in doc:
         other = "hf" if doc["meta"]["engine"] == "vllm" else "vllm"
@@ -271,9 +247,7 @@ def plot_engines(doc: dict[str, Any], png: Path) -> None:
         ax.set_title(title)
         ax.legend()
     fig.suptitle(f"{Path(doc['meta']['model']).name}: {doc['meta']['prompts']} prompts, {doc['meta']['threads']} thread(s)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 __all__ = ["compare", "engine_figures", "engine_specs", "load_any_agent", "run_engine_bench", "run_with", "tree_vs_chain"]
