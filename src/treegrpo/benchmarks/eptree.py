@@ -31,7 +31,6 @@ Results: JSON (``--out``) and a PNG plot beside it.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
 from treegrpo.tree import Forest
 
 DEFAULT_SHAPE: tuple[int, int, int, int] = (6, 2, 1, 2)
@@ -318,11 +318,7 @@ def verdict(summary: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Two panels: pass rate / distinct correct per method (tokens annotated); RL held-out success."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summary = result["sampling"]["summary"]
     methods = [m for m in METHODS if m in summary]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
@@ -364,9 +360,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"EPTree {tuple(result['shape'].values())} vs random forking vs chains — arithmetic, seeds {result['seeds']}",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_bench(
@@ -385,7 +379,6 @@ def run_bench(
 ) -> dict[str, Any]:
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
     from treegrpo.benchmarks.provenance import provenance
-    from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
     from treegrpo.tasks.arith.bootstrap import ensure_arith_bootstrapped
 
@@ -445,7 +438,6 @@ def run_bench(
         "provenance": prov,
     }
     out = Path(out)
-    atomic_write_text(out, json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    write_result(out, result, plot)
     log(f"bench eptree: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s")
     return result

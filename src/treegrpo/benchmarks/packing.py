@@ -49,6 +49,7 @@ import torch
 
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import LossConfig, compute_loss
+from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
 from treegrpo.train.batching import SequenceBatch, collate, forest_sequences, micro_batches, token_logprobs
 from treegrpo.train.packing import (
     PackedBatch,
@@ -322,19 +323,13 @@ def run_bench(
         "rows": rows,
         "provenance": prov,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot(rows, out.with_suffix(".png"))
+    write_result(out, doc, plot, lambda d: d["rows"])
     return doc
 
 
 def plot(rows: Sequence[dict[str, Any]], png: Path) -> None:
     """Three panels per shape: tokens, forward+backward seconds, peak MB (per path vs packed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [r["forest"] for r in rows]
     x = range(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
@@ -355,6 +350,4 @@ def plot(rows: Sequence[dict[str, Any]], png: Path) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle("Tree packing vs per-path training (same forests; ratios per path / packed)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)

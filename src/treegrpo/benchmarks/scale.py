@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
+
 KEYS = (
     "time/rollout_cpu_s",
     "time/update_cpu_s",
@@ -94,8 +96,7 @@ def run_bench(
             for w, m in per_world.items()
         },
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
+    write_result(out, result, plot, indent=2, newline=True)
     for w, m in result["worlds"].items():
         eff = m["efficiency"]
         log(
@@ -112,11 +113,7 @@ def run_bench(
 
 def plot(result: dict[str, Any], png: Path) -> None:
     """Stacked bars: CPU seconds per step of the slowest rank (rollout, update) per world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     worlds = list(result["worlds"])
     roll = [result["worlds"][w]["time/rollout_cpu_s"] for w in worlds]
     upd = [result["worlds"][w]["time/update_cpu_s"] for w in worlds]
@@ -138,6 +135,4 @@ def plot(result: dict[str, Any], png: Path) -> None:
     ax.set_ylabel("CPU s per step, slowest rank")
     ax.set_title("treegrpo bench scale: data-parallel training")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
