@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -62,7 +62,7 @@ from treegrpo.benchmarks.budget_report import (
     print_table,
 )
 from treegrpo.benchmarks.provenance import provenance
-from treegrpo.benchmarks.runner import torch_threads, write_result
+from treegrpo.benchmarks.runner import Shape, torch_threads, write_result
 from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import Budget, RolloutResult
 from treegrpo.rollout.planner import PAPER_PAIRS
@@ -82,19 +82,8 @@ DEFAULT_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One rollout configuration: ``mode`` (``chain`` / ``tree``) matched to chain ``budget``
-    (chains per prompt); ``m`` initial chains per prompt (for ``chain`` the group size ``G``), ``n``
-    expansions per tree per round and ``l`` rounds (0 for ``chain``); ``expand_mode`` the tree
-    sampler's pick rule (``None`` for ``chain``)."""
-
-    mode: Literal["chain", "tree"]
-    budget: int
-    m: int
-    n: int
-    l: int
-    expand_mode: str | None
-
+class RunSpec(Shape):
+    """One rollout configuration (:class:`~treegrpo.benchmarks.runner.Shape`)."""
     @property
     def label(self) -> str:
         return f"chain {self.m}" if self.mode == "chain" else f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"

@@ -138,20 +138,10 @@ def compare(vllm_doc: dict[str, Any], hf_doc: dict[str, Any]) -> dict[str, dict[
 
 
 def run_engine_bench(
-    out: Path,
-    engine: str = "vllm",
-    model: str | None = None,
-    prompts: int = 4,
-    seed: int = 0,
-    repeats: int = 2,
-    threads: int = 1,
-    max_turns: int = 2,
-    max_step_tokens: int = 48,
-    against: Path | None = None,
-    engine_options: dict[str, Any] | None = None,
-    log: Callable[[str], object] = print,
-    agent: AgentParts | None = None,
-) -> dict[str, Any]:
+    out: Path, engine: str = "vllm", model: str | None = None, prompts: int = 4, seed: int = 0, repeats: int = 2,
+    threads: int = 1, max_turns: int = 2, max_step_tokens: int = 48, against: Path | None = None,
+    engine_options: dict[str, Any] | None = None, log: Callable[[str], object] = print, agent: AgentParts | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the block with ``engine``, write ``out`` (JSON) and the plot beside it (``.png``);
     with ``against`` (the other engine's document) the engine comparison goes in too. ``agent``
     replaces the one ``model`` names (tests)."""

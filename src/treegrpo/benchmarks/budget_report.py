@@ -118,14 +118,8 @@ def forest_counts(forests: Sequence[Forest]) -> dict[str, Any]:
                 ph["generated_tokens"] += g
                 ph["tool_calls"] += t
                 ph["steps"] += 1
-    return {
-        "trajectories": traj,
-        "generated_tokens": gen,
-        "tool_calls": tools,
-        "steps": steps,
-        "context_tokens": ctx_tokens,
-        "phases": phases,
-    }
+    return {"trajectories": traj, "generated_tokens": gen, "tool_calls": tools, "steps": steps,
+            "context_tokens": ctx_tokens, "phases": phases}  # fmt: skip
 
 
 def pick_stats(forests: Sequence[Forest]) -> dict[str, Any]:
@@ -147,13 +141,8 @@ def pick_stats(forests: Sequence[Forest]) -> dict[str, Any]:
                 else:
                     deeper += extra
     picks = root + deeper
-    return {
-        "picks": picks,
-        "root_picks": root,
-        "nonroot_picks": deeper,
-        "root_fraction": root / picks if picks else None,
-        "mean_pick_depth": sum(depths) / len(depths) if depths else None,
-    }
+    return {"picks": picks, "root_picks": root, "nonroot_picks": deeper, "root_fraction": root / picks if picks else None,
+            "mean_pick_depth": sum(depths) / len(depths) if depths else None}  # fmt: skip
 
 
 def expected_fractions(forests: Sequence[Forest], expand_mode: str | None) -> dict[str, float | None]:
@@ -334,17 +323,11 @@ def print_table(rows: Sequence[dict[str, Any]], targets: dict[str, dict[str, Any
     for r in rows:
         label = f"chain {r['budget']}" if r["mode"] == "chain" else f"tree ({r['M']},{r['N']},{r['L']}) {r['expand_mode']}"
         t.add_row(
-            label,
-            "on" if r["prefix_reuse"] else "off",
-            str(r["trajectories"]),
-            str(r["generated_tokens"]),
-            str(r["prefill_tokens"]),
-            str(r["tool_calls"]),
-            f"{r['wall_s']:.2f}",
+            label, "on" if r["prefix_reuse"] else "off", str(r["trajectories"]), str(r["generated_tokens"]),
+            str(r["prefill_tokens"]), str(r["tool_calls"]), f"{r['wall_s']:.2f}",
             f"{1000 * r['trajectories'] / max(1, r['generated_tokens']):.2f}",
-            f"{r['tool_calls'] / max(1, r['trajectories']):.2f}",
-            f"{r['wall_s'] / max(1, r['trajectories']):.4f}",
-        )
+            f"{r['tool_calls'] / max(1, r['trajectories']):.2f}", f"{r['wall_s'] / max(1, r['trajectories']):.4f}",
+        )  # fmt: skip
     console.print(t)
     tt = Table(title="targets")
     for c in ("target", "measured", "need", "pass"):

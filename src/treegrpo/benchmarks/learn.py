@@ -222,21 +222,11 @@ def _run_table(
 
 
 def run_bench(
-    out: Path,
-    regime: str = "default",
-    quick: bool = False,
-    world_seeds: Sequence[int] | None = None,
-    seeds: int = 3,
-    jobs: int = 2,
-    steps: int | None = None,
-    lr: float | None = None,
-    prompts_per_step: int | None = None,
-    eval_every: int | None = None,
-    expand_modes: Sequence[str] = EXPAND_MODES,
-    budgets: Sequence[int] | None = None,
-    resume: bool = False,
-    console: Any = None,
-) -> dict[str, Any]:
+    out: Path, regime: str = "default", quick: bool = False, world_seeds: Sequence[int] | None = None, seeds: int = 3,
+    jobs: int = 2, steps: int | None = None, lr: float | None = None, prompts_per_step: int | None = None,
+    eval_every: int | None = None, expand_modes: Sequence[str] = EXPAND_MODES, budgets: Sequence[int] | None = None,
+    resume: bool = False, console: Any = None,
+) -> dict[str, Any]:  # fmt: skip
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
     from treegrpo.benchmarks.learn_report import summarize, targets
     from treegrpo.benchmarks.provenance import provenance
@@ -300,20 +290,10 @@ def default_out(task: str) -> Path:
 
 
 def run_gigpo_bench(
-    out: Path | None = None,
-    task: str = "search",
-    regime: str = "default",
-    seeds: int = 3,
-    jobs: int = 2,
-    steps: int | None = None,
-    lr: float | None = None,
-    prompts_per_step: int | None = None,
-    eval_every: int | None = None,
-    eval_prompts: int | None = None,
-    budgets: Sequence[int] | None = None,
-    resume: bool = False,
-    console: Any = None,
-) -> dict[str, Any]:
+    out: Path | None = None, task: str = "search", regime: str = "default", seeds: int = 3, jobs: int = 2,
+    steps: int | None = None, lr: float | None = None, prompts_per_step: int | None = None, eval_every: int | None = None,
+    eval_prompts: int | None = None, budgets: Sequence[int] | None = None, resume: bool = False, console: Any = None,
+) -> dict[str, Any]:  # fmt: skip
     """The whole GiGPO table (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
     from treegrpo.benchmarks.learn_report import summarize_gigpo
     from treegrpo.benchmarks.provenance import provenance

@@ -84,11 +84,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bx.set_title("EM vs generated tokens: chain (solid), tree random (dashed)")
     bx.legend(fontsize=7)
     reg = result["regime"]
-    fig.suptitle(
-        f"bench learn · regime {reg['name']} · {reg['steps']} steps × {reg['prompts_per_step']} prompts, lr {reg['lr']} · "
-        f"seeds {result['seeds']} · worlds {result['world_seeds']}",
-        fontsize=9,
-    )
+    title = f"regime {reg['name']} · {reg['steps']} steps × {reg['prompts_per_step']} prompts, lr {reg['lr']}"
+    fig.suptitle(f"bench learn · {title} · seeds {result['seeds']} · worlds {result['world_seeds']}", fontsize=9)
     save_figure(fig, path)
 
 
@@ -165,12 +162,9 @@ def plot_gigpo(result: dict[str, Any], path: Path) -> None:
     bx.set_ylim(0, 1.05)
     bx.set_ylabel("fraction of steps with an anchor-state peer")
     bx.set_title("anchor groups: all steps (light), steps after the first (dark)")
-    reg = result["regime"]
-    fig.suptitle(
-        f"bench learn --gigpo · task {result['task']} · {reg['steps']} steps × {reg['prompts_per_step']} prompts, "
-        f"lr {reg['lr']} · seeds {result['seeds']}",
-        fontsize=9,
-    )
+    reg, task = result["regime"], result["task"]
+    title = f"task {task} · {reg['steps']} steps × {reg['prompts_per_step']} prompts, lr {reg['lr']}"
+    fig.suptitle(f"bench learn --gigpo · {title} · seeds {result['seeds']}", fontsize=9)
     save_figure(fig, path)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from treegrpo.benchmarks.runner import Shape
 from treegrpo.rollout.planner import PAPER_PAIRS
 
 #: The keys of a ``bench learn`` result row, exactly.
@@ -32,15 +33,10 @@ TASKS: tuple[str, ...] = ("search", "sql")
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One training run of the table."""
+class RunSpec(Shape):
+    """One training run of the table: a :class:`~treegrpo.benchmarks.runner.Shape` trained with
+    ``advantage`` from ``seed`` in world ``world_seed``."""
 
-    mode: Literal["chain", "tree"]
-    budget: int
-    m: int
-    n: int
-    l: int
-    expand_mode: str | None
     advantage: str
     seed: int
     world_seed: int

@@ -103,39 +103,28 @@ def _perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Modu
     return out
 
 
-def _paths_pass(
+def _train_pass(
     model: torch.nn.Module,
-    batches: Sequence[SequenceBatch],
-    shares: Sequence[float],
+    batches: Sequence[SequenceBatch] | Sequence[PackedBatch],
     old: Sequence[torch.Tensor],
     ref: Sequence[torch.Tensor],
     cfg: LossConfig,
+    shares: Sequence[float] | None = None,
 ) -> tuple[float, list[torch.Tensor]]:
-    """Forward + loss + backward over per-path micro-batches; (loss, per-batch log-probs)."""
+    """Forward + loss + backward over the micro-batches, per path (weighted by ``shares``) or
+    packed (``shares`` ``None``); (loss, per-batch log-probs)."""
     total, lps = 0.0, []
-    for mb, share, o, r in zip(batches, shares, old, ref, strict=True):
-        lp, _ = token_logprobs(model, mb)
-        loss, _ = compute_loss(lp, o, r, mb.advantages_B_T, mb.policy_mask_B_T, None, cfg)
-        (loss * share).backward()
-        total += loss.item() * share
-        lps.append(lp.detach())
-    return total, lps
-
-
-def _packed_pass(
-    model: torch.nn.Module,
-    batches: Sequence[PackedBatch],
-    old: Sequence[torch.Tensor],
-    ref: Sequence[torch.Tensor],
-    cfg: LossConfig,
-) -> tuple[float, list[torch.Tensor]]:
-    """Forward + loss + backward over packed micro-batches; (loss, per-batch log-probs)."""
-    total, lps = 0.0, []
-    for mb, o, r in zip(batches, old, ref, strict=True):
-        lp, _ = packed_logprobs(model, mb)
-        loss, _ = packed_loss(lp, mb, o, r, None, cfg)
-        loss.backward()
-        total += loss.item()
+    for i, (mb, o, r) in enumerate(zip(batches, old, ref, strict=True)):
+        if shares is None:
+            lp, _ = packed_logprobs(model, mb)  # type: ignore[arg-type]
+            loss, _ = packed_loss(lp, mb, o, r, None, cfg)  # type: ignore[arg-type]
+            loss.backward()
+            total += loss.item()
+        else:
+            lp, _ = token_logprobs(model, mb)  # type: ignore[arg-type]
+            loss, _ = compute_loss(lp, o, r, mb.advantages_B_T, mb.policy_mask_B_T, None, cfg)  # type: ignore[union-attr]
+            (loss * shares[i]).backward()
+            total += loss.item() * shares[i]
         lps.append(lp.detach())
     return total, lps
 
@@ -206,11 +195,11 @@ def measure_forests(
 
     def run_paths() -> tuple[float, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        return _paths_pass(model, path_batches, shares, old_p, ref_p, cfg)
+        return _train_pass(model, path_batches, old_p, ref_p, cfg, shares)
 
     def run_packed() -> tuple[float, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        return _packed_pass(model, packed, old_k, ref_k, cfg)
+        return _train_pass(model, packed, old_k, ref_k, cfg)
 
     # exactness (also the warm-up of both)
     loss_p, lps_p = run_paths()

@@ -13,12 +13,28 @@ import json
 import statistics
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from treegrpo.io import atomic_write_text
 
 Log = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A rollout configuration matched to a chain budget: ``mode`` (``chain`` / ``tree``),
+    ``budget`` (chains per prompt it is matched to), ``m`` initial chains per prompt (for ``chain``
+    the group size ``G``), ``n`` expansions per tree per round and ``l`` rounds (0 for ``chain``),
+    ``expand_mode`` the tree sampler's pick rule (``None`` for ``chain``)."""
+
+    mode: Literal["chain", "tree"]
+    budget: int
+    m: int
+    n: int
+    l: int
+    expand_mode: str | None
 
 
 def make_console(width: int = 150) -> Any:
@@ -143,6 +159,7 @@ def option_flags(values: dict[str, Any]) -> str:
 
 __all__ = [
     "Log",
+    "Shape",
     "make_console",
     "option_flags",
     "pyplot",
