@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from treegrpo.benchmarks.learn import train_one
 from treegrpo.benchmarks.learn_report import compare, summarize
 from treegrpo.benchmarks.learn_spec import ROW_KEYS as LEARN_ROW_KEYS
 from treegrpo.benchmarks.learn_spec import Regime, plan_runs
+from treegrpo.benchmarks.provenance import source_commit
 from treegrpo.benchmarks.runner import write_result
 from treegrpo.benchmarks.stateful_exact import check_exactness, expansion_cost, grow, random_sql_action
 from treegrpo.tasks.kv.env import KVEnv, kv_tasks, random_kv_action
@@ -47,15 +47,6 @@ CHECK_LIMITS = SqlLimits(vm_steps=20_000)
 #: Spare-connection pools of the whole-rollout timing: the env's default, and one large enough to
 #: hold every snapshot of a rollout (then no snapshot or restore opens a new connection).
 POOL_SIZES = (SqlEnv.pool_size, 2048)
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def cost_part(repeats: int, rollout_prompts: int, rollout_repeats: int = 5) -> dict[str, Any]:
@@ -185,7 +176,7 @@ def run_bench(
     result: dict[str, Any] = {
         "bench": "stateful",
         "command": command,
-        "commit": _commit(),
+        "commit": source_commit()[0],
         "quick": quick,
         "model": None if learn is None else {"folder": learn["model"], "config_hash": tiny_info(learn["model"]).get("config_hash")},
         "settings": {"seeds": seeds, "steps": steps, "prompts_per_step": prompts_per_step, "lr": lr, "eval_prompts": eval_prompts, "repeats": repeats},
