@@ -39,7 +39,9 @@ def shape_problems(new: Any, old: Any, path: str = "") -> list[str]:
     if isinstance(old, dict):
         if path == "":
             missing, extra = set(old) - set(new), set(new) - set(old) - {"provenance"}
-            out += [f"/: key {k!r} missing" for k in sorted(missing)] + [f"/: new key {k!r}" for k in sorted(extra)]
+            out += [f"/: key {k!r} missing" for k in sorted(missing)] + [
+                f"/: new key {k!r}" for k in sorted(extra)
+            ]
         for k in old.keys() & new.keys():
             out += shape_problems(new[k], old[k], f"{path}/{k}")
     elif isinstance(old, list) and old and new:
@@ -56,11 +58,15 @@ def committed(name: str) -> dict[str, Any]:
 
 def test_shape_problems_finds_a_renamed_key_and_a_changed_kind() -> None:
     old = {"rows": [{"a": 1, "b": "x"}], "meta": {"n": 1, "t": [1.0]}}
-    assert shape_problems({"rows": [{"a": 2, "b": "y"}], "meta": {"n": 2, "t": []}, "provenance": {}}, old) == []
+    assert (
+        shape_problems({"rows": [{"a": 2, "b": "y"}], "meta": {"n": 2, "t": []}, "provenance": {}}, old) == []
+    )
     assert shape_problems({"rows": [{"a": 2, "c": "y"}], "meta": {"n": 1, "t": [1]}}, old) == [
         "/rows[0]: keys ['a', 'c'] != ['a', 'b']"
     ]
-    assert shape_problems({"rows": [], "meta": {"n": "1"}}, old) == ["/meta/n: str where the committed file has number"]
+    assert shape_problems({"rows": [], "meta": {"n": "1"}}, old) == [
+        "/meta/n: str where the committed file has number"
+    ]
     assert shape_problems({"meta": {}}, old) == ["/: key 'rows' missing"]
 
 
@@ -72,7 +78,9 @@ def agent_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     from treegrpo.tasks.world.world import PRESETS
 
     folder = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("agent") / "agent"))
-    agent = AgentConfig(max_turns=2, max_step_tokens=8, max_obs_tokens=32, max_context_tokens=400, use_chat_template=False)
+    agent = AgentConfig(
+        max_turns=2, max_step_tokens=8, max_obs_tokens=32, max_context_tokens=400, use_chat_template=False
+    )
     record = {"tokenizer": "PreTrainedTokenizerFast", "world": PRESETS["tiny"].to_dict(),
               "env": {"topk": 2, "prompt_template": "minimal"}, "agent": asdict(agent)}  # fmt: skip
     (folder / "treegrpo_tiny.json").write_text(json.dumps(record))
@@ -82,10 +90,14 @@ def agent_folder(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 def _tiny_regime(monkeypatch: pytest.MonkeyPatch, model: Path) -> None:
     from treegrpo.benchmarks import learn
 
-    regime = learn.Regime("test", "tiny", steps=1, prompts_per_step=2, lr=1e-4, eval_every=1, eval_prompts=2, about="t")
+    regime = learn.Regime(
+        "test", "tiny", steps=1, prompts_per_step=2, lr=1e-4, eval_every=1, eval_prompts=2, about="t"
+    )
     monkeypatch.setitem(learn.REGIMES, "test", regime)
     monkeypatch.setattr(learn, "SQL_REGIME", regime)
-    monkeypatch.setattr("treegrpo.tasks.world.bootstrap.ensure_bootstrapped", lambda preset, world_seed=None, **kw: model)
+    monkeypatch.setattr(
+        "treegrpo.tasks.world.bootstrap.ensure_bootstrapped", lambda preset, world_seed=None, **kw: model
+    )
     monkeypatch.setattr("treegrpo.tasks.sql.bootstrap.ensure_sql_bootstrapped", lambda *a, **kw: model)
 
 
@@ -93,13 +105,17 @@ def test_learn_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.
     from treegrpo.benchmarks import learn
 
     _tiny_regime(monkeypatch, tiny_model_dir)
-    doc = learn.run_bench(tmp_path / "learn.json", regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,))
+    doc = learn.run_bench(
+        tmp_path / "learn.json", regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,)
+    )
     assert json.loads((tmp_path / "learn.json").read_text()) == doc
     assert shape_problems(doc, committed("learn.json")) == []
 
 
 @pytest.mark.parametrize("task", ["search", "sql"])
-def test_learn_gigpo_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str) -> None:
+def test_learn_gigpo_schema(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str
+) -> None:
     from treegrpo.benchmarks import learn
 
     _tiny_regime(monkeypatch, tiny_model_dir)

@@ -42,8 +42,9 @@ def load_agent(model_dir: str | Path | None = None) -> AgentParts:
     folder = Path(model_dir) if model_dir is not None else ensure_bootstrapped("default")
     setup = load_setup(folder)
     model = load_model(folder).eval()
-    return AgentParts(model, load_tokenizer(folder), setup.env, setup.agent, setup.world.tasks("train"), folder)
-
+    return AgentParts(
+        model, load_tokenizer(folder), setup.env, setup.agent, setup.world.tasks("train"), folder
+    )
 
 
 class ExpansionContext(list):
@@ -71,7 +72,10 @@ class RecordingEngine:
         return getattr(self.inner, "eos_token_id", None)
 
     def generate(
-        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None
+        self,
+        contexts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
     ) -> list[Generation]:
         gens = self.inner.generate(contexts, params, generator)
         phases = ["expand" if isinstance(c, ExpansionContext) else "init" for c in contexts]
@@ -114,8 +118,6 @@ class PhaseRunner(StepRunner):
 
             kwargs["on_end"] = tagged
         return super().run_turns(cursors, budgets, generator, params, **kwargs)
-
-
 
 
 @contextlib.contextmanager

@@ -32,7 +32,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     series: list[tuple[str, str, list[str]]] = [("chain", "chain GRPO", [f"chain {b}" for b in budgets])]
     series += [(m, f"Tree-GRPO {m}", [tree_label(b, m) for b in budgets]) for m in EXPAND_MODES]
     for i, (key, name, labs) in enumerate(series):
-        pts = [(b * (1 + 0.03 * (i - 1.5)), summary[lab]["em_end"]) for b, lab in zip(budgets, labs, strict=True) if lab in summary]
+        pts = [
+            (b * (1 + 0.03 * (i - 1.5)), summary[lab]["em_end"])
+            for b, lab in zip(budgets, labs, strict=True)
+            if lab in summary
+        ]
         if pts:
             _with_range(ax, [x for x, _ in pts], [s for _, s in pts], marker="o", color=colors[key], label=name,
                         linestyle="-" if key == "chain" else "--")  # fmt: skip
@@ -57,9 +61,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
             pooled = compare(rows, tree_label(b, mode), f"chain {b}")
             if pooled is None:
                 continue
-            per_world = [compare([r for r in rows if r["world_seed"] == w], tree_label(b, mode), f"chain {b}") for w in worlds]
+            per_world = [
+                compare([r for r in rows if r["world_seed"] == w], tree_label(b, mode), f"chain {b}")
+                for w in worlds
+            ]
             x = i + (j - 1) * width
-            cx.bar(x, pooled["ratio"], width=width * 0.9, color=colors[mode], alpha=0.6, label=mode if i == 0 else None)
+            cx.bar(
+                x,
+                pooled["ratio"],
+                width=width * 0.9,
+                color=colors[mode],
+                alpha=0.6,
+                label=mode if i == 0 else None,
+            )
             ys = [c["ratio"] for c in per_world if c is not None]
             cx.scatter([x] * len(ys), ys, color="k", s=10, zorder=3)
     cx.set_ylim(bottom=0.8)
@@ -71,7 +85,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cx.set_title("tree ÷ chain: pooled (bars), per world (dots)")
     cx.legend(fontsize=7)
     for lab, s in summary.items():
-        if s["advantage"] not in ("grpo", "tree_grpo") or (s["mode"] == "tree" and s["expand_mode"] not in ("random",)):
+        if s["advantage"] not in ("grpo", "tree_grpo") or (
+            s["mode"] == "tree" and s["expand_mode"] not in ("random",)
+        ):
             continue
         curves = [r["em_curve"] for r in rows if spec_of(r).label == lab]
         top = min(c[-1][0] for c in curves)
@@ -85,7 +101,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bx.legend(fontsize=7)
     reg = result["regime"]
     title = f"regime {reg['name']} · {reg['steps']} steps × {reg['prompts_per_step']} prompts, lr {reg['lr']}"
-    fig.suptitle(f"bench learn · {title} · seeds {result['seeds']} · worlds {result['world_seeds']}", fontsize=9)
+    fig.suptitle(
+        f"bench learn · {title} · seeds {result['seeds']} · worlds {result['world_seeds']}", fontsize=9
+    )
     save_figure(fig, path)
 
 
@@ -137,7 +155,12 @@ def plot_gigpo(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     summary, budgets = result["summary"], result["budgets"]
     kinds = ("chain", "chain_gigpo", "tree", "tree_gigpo")
-    names = {"chain": "chain GRPO", "chain_gigpo": "chain GiGPO", "tree": "Tree-GRPO", "tree_gigpo": "Tree-GRPO + GiGPO step"}
+    names = {
+        "chain": "chain GRPO",
+        "chain_gigpo": "chain GiGPO",
+        "tree": "Tree-GRPO",
+        "tree_gigpo": "Tree-GRPO + GiGPO step",
+    }
     colors = {"chain": "black", "chain_gigpo": "tab:orange", "tree": "tab:blue", "tree_gigpo": "tab:green"}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8))
     width = 0.8 / len(kinds)

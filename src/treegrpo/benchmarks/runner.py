@@ -1,6 +1,7 @@
 """The plumbing every ``treegrpo bench …`` shares: run configurations in their own processes and
-collect their rows, carry on from an earlier result (``--resume``), write the result JSON
-atomically with its provenance and draw its figure, set torch's threads meanwhile.
+collect their rows, carry on from an earlier result (``--resume``: the rows of the result JSON, or
+a finished run's own ``done`` file in a work folder), write the result JSON atomically and draw its
+figure, set torch's threads meanwhile.
 
 A bench keeps only what it measures and how it reads the measurements; the runner knows nothing
 about any bench (it imports none of them).
@@ -108,6 +109,20 @@ def resume_rows(
     return rows, float(old.get("wall_s", 0.0))
 
 
+def finished_row(done: Path, key: Any, field: str = "key") -> dict[str, Any] | None:
+    """The row a run left in its ``done`` file (``{field: key, "row": row}``, :func:`keep_row`)
+    when it was made with the same ``key``; ``None`` when there is none or it was made otherwise."""
+    if Path(done).is_file() and (prev := json.loads(Path(done).read_text())).get(field) == key:
+        return prev["row"]
+    return None
+
+
+def keep_row(done: Path, key: Any, row: dict[str, Any], field: str = "key") -> None:
+    """Record a finished run's ``row`` with the ``key`` it was made with (atomically), so a later
+    session can take it over (:func:`finished_row`) instead of running it again."""
+    atomic_write_text(Path(done), json.dumps({field: key, "row": row}, indent=1))
+
+
 def write_result(
     out: Path,
     doc: dict[str, Any],
@@ -160,6 +175,8 @@ def option_flags(values: dict[str, Any]) -> str:
 __all__ = [
     "Log",
     "Shape",
+    "finished_row",
+    "keep_row",
     "make_console",
     "option_flags",
     "pyplot",
