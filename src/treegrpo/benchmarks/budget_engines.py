@@ -91,23 +91,15 @@ def engine_figures(meas: Measurement, detail: dict[str, Any]) -> dict[str, Any]:
     context = sum(p["context_tokens"] for p in detail["phases"].values())
     uncached = sum(p.get("uncached_tokens", 0) for p in detail["phases"].values())
     return {
-        "config": meas.spec.label,
-        "wall_s": round(wall, 4),
-        "cpu_s": round(cpu, 4),
-        "walls": [round(w, 4) for w in meas.walls],
-        "cpus": [round(c, 4) for c in meas.cpus],
-        "trajectories": traj,
-        "generated_tokens": tot.generated_tokens,
-        "prefill_tokens": tot.prefill_tokens,
-        "context_tokens": context,
-        "uncached_tokens": uncached,
-        "prefix_cache_hit_tokens": context - tot.prefill_tokens,
-        "engine_cached_tokens": cached,
-        "gen_tokens_per_cpu_s": round(tot.generated_tokens / cpu, 3) if cpu else None,
+        "config": meas.spec.label, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+        "walls": [round(w, 4) for w in meas.walls], "cpus": [round(c, 4) for c in meas.cpus], "trajectories": traj,
+        "generated_tokens": tot.generated_tokens, "prefill_tokens": tot.prefill_tokens, "context_tokens": context,
+        "uncached_tokens": uncached, "prefix_cache_hit_tokens": context - tot.prefill_tokens,
+        "engine_cached_tokens": cached, "gen_tokens_per_cpu_s": round(tot.generated_tokens / cpu, 3) if cpu else None,
         "wall_per_traj_s": round(wall / max(1, traj), 5),
         "wall_per_gen_token_ms": round(1000 * wall / max(1, tot.generated_tokens), 4),
         "repeats_reproduce_counts": not meas.repeat_mismatches,
-    }
+    }  # fmt: skip
 
 
 def tree_vs_chain(figures: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

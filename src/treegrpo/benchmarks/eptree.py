@@ -92,16 +92,12 @@ def forest_stats(forests: Sequence[Forest]) -> dict[str, float]:
         mixed += int(len({leaf.reward for _, leaf in mine}) > 1)
     n = max(1, len(forests))
     return {
-        "pass_rate": passed / n,
-        "distinct_correct": distinct / n,
-        "correct_frac": correct / max(1, leaves),
-        "correct_leaves": correct / n,
-        "mixed_frac": mixed / n,
+        "pass_rate": passed / n, "distinct_correct": distinct / n, "correct_frac": correct / max(1, leaves),
+        "correct_leaves": correct / n, "mixed_frac": mixed / n,
         "branch_correct_frac": branch_ok / branches if branches else None,
-        "rescued_frac": rescued / failed if failed else None,
-        "hard_prompts": hard if _has_rounds(forests) else None,
+        "rescued_frac": rescued / failed if failed else None, "hard_prompts": hard if _has_rounds(forests) else None,
         "hard_rescued_frac": hard_ok / hard if hard else None,
-    }
+    }  # fmt: skip
 
 
 def _has_rounds(forests: Sequence[Forest]) -> bool:

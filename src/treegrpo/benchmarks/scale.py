@@ -45,13 +45,7 @@ def measure(
     cmd = [sys.executable, "-m", "treegrpo", "train", "--steps", str(steps), "--out-dir", str(out_dir)]
     cmd += ["--model", model] if model else []
     cmd += ["--nproc", str(world)] if world > 1 else []
-    for kv in (
-        "threads=1",
-        "eval_prompts=8",
-        "eval_sampled=false",
-        "dump_rollouts_every=0",
-        "tensorboard=false",
-    ):
+    for kv in ("threads=1", "eval_prompts=8", "eval_sampled=false", "dump_rollouts_every=0", "tensorboard=false"):
         cmd += ["--set", kv]
     cmd += list(extra)
     log(f"scale: {world} process(es): {' '.join(cmd[1:])}")
