@@ -1,43 +1,16 @@
 """``treegrpo bench learn``: the paper's budget table in miniature — chain GRPO vs Tree-GRPO trained
 from one starting policy at matched, measured budgets; ``--gigpo``: GiGPO beside them.
 
-From one bootstrapped model per world (``ensure_bootstrapped(preset, world_seed)``), the one trainer
-loop (:func:`treegrpo.train.trainer.train`) runs, for the same number of RL steps on the same
-prompts:
-
-- ``chain`` GRPO at budgets 2 / 4 / 8 / 16 (``G`` chains per prompt; rows carry ``M = G``,
-  ``N = L = 0``, ``advantage = grpo``);
-- ``tree`` Tree-GRPO at the paper's matched shapes (M, N, L) = (1,2,1), (2,2,1), (2,6,1), (4,5,1)
-  (:data:`~treegrpo.rollout.planner.PAPER_PAIRS`) with the official ``random`` picks and the guided
-  pick modes ``nonroot`` and ``entropy`` (``advantage = tree_grpo``: intra-tree + inter-tree);
-- the advantage ablation at budget 4: (2,2,1) ``random`` with ``intra_only`` and ``inter_only``.
-
-``--quick`` keeps budgets 2 and 4 (and the ablation). Every configuration runs once per seed; a
-seed fixes the prompt order (the trainer draws prompts and tree picks from separate streams), so
-the runs of one seed see the same prompts and are compared in pairs. Held-out exact match is
-measured on the world's ``eval`` split — one chain per question, sampled at T=1 and greedy — from
-the evaluation's own RNG stream (:data:`~treegrpo.train.evaluate.EVAL_SEED`), at the start, every
-``eval_every`` steps (``em_curve``: ``[generated tokens so far, sampled EM]``) and at the end.
-``tool_calls_per_traj_start/end`` are the held-out sampled chains' tool calls per trajectory, so
-every mode is measured the same way.
-
-**GiGPO** (``--gigpo``, :func:`run_gigpo_bench`): per budget in ``--budgets`` (default 2 and 4), on
-the default search world (``--task search``) or the stateful SQL task (``--task sql``, where
-database states repeat across chains): ``chain B``, ``chain B gigpo`` (episode term + anchor-state
-step term), ``tree (M,N,L) random`` and ``… tree_gigpo`` (Tree-GRPO's advantage + GiGPO's step
-term). Every run dumps its rollouts so GiGPO's own diagnostic is measured on every row alike
-(:func:`treegrpo.algos.gigpo.shared_anchor_stats`): ``anchor_shared_frac``,
-``anchor_deep_shared_frac`` (steps after the first) and the mean anchor-group size.
-
-Rows have exactly :data:`ROW_KEYS` (``--gigpo``: :data:`GIGPO_ROW_KEYS`); the result is written
-after every finished run, atomically, so an interrupted benchmark keeps what it finished and
-``--resume`` carries on from it. The runs, regimes and row keys are :mod:`.learn_spec`; the
-analysis :mod:`.learn_report`; the plots and tables :mod:`.learn_plots`.
-
-**Regimes** (:data:`REGIMES`): a world preset (its world and its bootstrap recipe, see
-:data:`treegrpo.tasks.world.world.PRESETS`) plus the RL settings. ``default`` is the embedded default
-world and starting policy; see ``benchmarks/README.md`` for the others and why they are built as
-they are.
+What each table runs, how runs are paired and how held-out EM is measured is written once, in
+``benchmarks/README.md`` (sections ``bench learn`` and ``bench learn --gigpo``); the runs, the
+regimes and the row keys are :mod:`.learn_spec`, the analysis :mod:`.learn_report`, the plots and
+tables :mod:`.learn_plots`. This module runs them: one bootstrapped model per world
+(``ensure_bootstrapped(preset, world_seed)``; ``--task sql``: the cached SQL agent), its held-out
+evaluation shared by every run (:func:`start_eval`), every configuration trained by the one
+trainer loop (:func:`treegrpo.train.trainer.train`) in a process of its own (``--jobs``), the
+result JSON rewritten atomically after every finished run so ``--resume`` carries on from it.
+Rows have exactly :data:`ROW_KEYS` (``--gigpo``: :data:`GIGPO_ROW_KEYS`, with GiGPO's anchor
+diagnostic measured on the rollouts each run dumps, :func:`treegrpo.algos.gigpo.shared_anchor_stats`).
 """
 
 from __future__ import annotations
