@@ -71,12 +71,9 @@ class RecordingEngine:
     def eos_token_id(self) -> int | None:
         return getattr(self.inner, "eos_token_id", None)
 
-    def generate(
-        self,
-        contexts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        generator: torch.Generator | None = None,
-    ) -> list[Generation]:
+    def generate(  # the engine interface (rollout/engine.py), passed through
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> list[Generation]:  # fmt: skip
         gens = self.inner.generate(contexts, params, generator)
         phases = ["expand" if isinstance(c, ExpansionContext) else "init" for c in contexts]
         self.calls.append((list(contexts), gens, phases))
