@@ -158,3 +158,34 @@ def test_stateful_schema(tiny_model_dir: Path, tmp_path: Path) -> None:
 
     doc = run_bench(tmp_path / "stateful.json", quick=True, model_dir=tiny_model_dir, log=lambda m: None)
     assert shape_problems(doc, committed("stateful.json")) == []
+
+
+def test_eptree_schema(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    from treegrpo.benchmarks.eptree import run_bench
+    from treegrpo.tasks.arith.bootstrap import ArithBootstrapConfig, bootstrap_arith
+    from treegrpo.tasks.arith.problems import ArithConfig
+
+    problems = ArithConfig(min_steps=2, max_steps=2, max_start=40, n_train=40, n_eval=8)
+    boot = ArithBootstrapConfig(problems=problems, n_demos=300, max_new_tokens=24, hidden_size=32, layers=1, heads=2,
+                                kv_heads=1, intermediate_size=64, max_positions=128, epochs=1, n_eval=8)  # fmt: skip
+    model = bootstrap_arith(tmp_path_factory.mktemp("arith") / "model", boot, progress=False)
+    doc = run_bench(tmp_path / "eptree.json", prompts=2, seeds=(0,), rl_steps=1, rl_seeds=(0,), rl_prompts_per_step=2,
+                    eval_prompts=2, threads=None, model_dir=model, shape=(2, 1, 1, 2), log=lambda m: None)  # fmt: skip
+    assert json.loads((tmp_path / "eptree.json").read_text()) == doc
+    assert shape_problems(doc, committed("eptree.json")) == []
+
+
+def test_scale_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The document around the measured runs (each run itself is a ``treegrpo train`` process,
+    replaced here by its medians)."""
+    from treegrpo.benchmarks import scale
+
+    def fake(world: int, steps: int, *args: Any) -> dict[str, float]:
+        return {k: float(world + i) for i, k in enumerate(scale.KEYS)}
+
+    monkeypatch.setattr(scale, "measure", fake)
+    out = tmp_path / "scale.json"
+    doc = scale.run_bench(out, steps=2, worlds=(1, 2), log=lambda m: None)
+    assert out.read_text() == json.dumps(doc, indent=2) + "\n" and out.with_suffix(".png").is_file()
+    assert doc["worlds"]["2"]["efficiency"]["rollout"] == 1 / (2 * 2)  # T_1 / (K T_K): rollout CPU 1 vs 2
+    assert shape_problems(doc, committed("scale.json")) == []
