@@ -151,6 +151,16 @@ class Measurement:
     def total(self) -> Budget:
         return self.result.total()
 
+    def add_repeat(self, again: Measurement) -> bool:
+        """Take a repeat's wall and CPU seconds; whether it reproduced the counts (else they are kept
+        in ``repeat_mismatches``: same seed, same batches, it should not happen)."""
+        same = counts_key(again) == self.counts
+        if not same:
+            self.repeat_mismatches.append(list(counts_key(again)))
+        self.walls.append(again.result.wall_s)
+        self.cpus.extend(again.cpus)
+        return same
+
     @property
     def wall_s(self) -> float:
         """Median wall seconds over the runs of this configuration (the first alone if one)."""
@@ -320,12 +330,8 @@ def measure_all(
         for spec in order:
             for reuse in reuse_modes if (i + r) % 2 == 0 else tuple(reversed(reuse_modes)):
                 again = run_once(agent, tasks, spec, reuse, seed)
-                base = by_key[(spec, reuse)]
-                if counts_key(again) != base.counts:  # same seed, same batches: should not happen
-                    base.repeat_mismatches.append(list(counts_key(again)))
+                if not by_key[(spec, reuse)].add_repeat(again):
                     log(f"warning: {spec.label} reuse={reuse}: a repeat gave other counts {counts_key(again)}")
-                base.walls.append(again.result.wall_s)
-                base.cpus.extend(again.cpus)
             i += 1
         log(f"repeat {r}: " + "  ".join(f"{s.label} {by_key[(s, reuse_modes[0])].walls[-1]:.2f}s" for s in order))
     return [by_key[(s, r)] for s in specs for r in reuse_modes]

@@ -43,7 +43,6 @@ from treegrpo.benchmarks.budget import (
     Measurement,
     RunSpec,
     chain_spec,
-    counts_key,
     critical_specs,
     run_once,
     summarize,
@@ -164,11 +163,7 @@ def run_engine_bench(
             log(f"{engine} {s.label:<24} gen {m.total.generated_tokens}  prefill {m.total.prefill_tokens}")
         for r in range(repeats):
             for s in specs[r % len(specs) :] + specs[: r % len(specs)]:
-                again = run_with(agent, tasks, s, make, seed)
-                if counts_key(again) != meas[s].counts:
-                    meas[s].repeat_mismatches.append(list(counts_key(again)))
-                meas[s].walls.append(again.result.wall_s)
-                meas[s].cpus.extend(again.cpus)
+                meas[s].add_repeat(run_with(agent, tasks, s, make, seed))
             log(f"repeat {r + 1}: " + "  ".join(f"{s.label} {meas[s].walls[-1]:.2f}s" for s in specs))
     summaries = [summarize(meas[s]) for s in specs]
     figures = [engine_figures(meas[s], sm["detail"]) for s, sm in zip(specs, summaries, strict=True)]
