@@ -10,20 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from treegrpo.benchmarks.budget import (
-    ROW_KEYS,
-    AgentParts,
-    ExpansionContext,
-    chain_spec,
-    measure_all,
-    tree_spec,
-)
+from treegrpo.benchmarks.budget import ROW_KEYS, chain_spec, measure_all, summarize, tree_spec
+from treegrpo.benchmarks.budget_parts import AgentParts, ExpansionContext
 from treegrpo.benchmarks.budget_report import (
     compute_targets,
     expected_fractions,
     forest_counts,
     plot,
-    summarize,
     uncached_tokens,
 )
 from treegrpo.envs.search import SearchEnv

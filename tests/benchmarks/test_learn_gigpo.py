@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from treegrpo.benchmarks import learn, learn_gigpo
+from treegrpo.benchmarks import learn
 from treegrpo.benchmarks.learn import Regime
-from treegrpo.benchmarks.learn_gigpo import GIGPO_ROW_KEYS, plan_gigpo
-from treegrpo.benchmarks.learn_gigpo_report import labels, summarize_gigpo
-from treegrpo.benchmarks.learn_spec import spec_of
+from treegrpo.benchmarks.learn_report import labels, summarize_gigpo
+from treegrpo.benchmarks.learn_spec import GIGPO_ROW_KEYS, plan_gigpo, spec_of
 
 
 def test_plan_pairs_four_configurations_per_budget() -> None:
@@ -72,7 +71,7 @@ def test_gigpo_bench_end_to_end(
         "test", "tiny", steps=2, prompts_per_step=2, lr=1e-4, eval_every=1, eval_prompts=4, about="test"
     )
     monkeypatch.setitem(learn.REGIMES, "test", regime)
-    monkeypatch.setattr(learn_gigpo, "SQL_REGIME", regime)
+    monkeypatch.setattr(learn, "SQL_REGIME", regime)
     monkeypatch.setattr(
         "treegrpo.tasks.world.bootstrap.ensure_bootstrapped",
         lambda preset, world_seed=None, **kw: tiny_model_dir,
@@ -81,7 +80,7 @@ def test_gigpo_bench_end_to_end(
         "treegrpo.tasks.sql.bootstrap.ensure_sql_bootstrapped", lambda *a, **kw: tiny_model_dir
     )
     out = tmp_path / "gigpo.json"
-    result = learn_gigpo.run_gigpo_bench(out, task=task, regime="test", seeds=1, jobs=1, budgets=(2,))
+    result = learn.run_gigpo_bench(out, task=task, regime="test", seeds=1, jobs=1, budgets=(2,))
     data = json.loads(out.read_text())
     assert data["complete"] is True and data["task"] == task and out.with_suffix(".png").stat().st_size > 0
     assert [spec_of(r).label for r in data["rows"]] == list(labels(2).values())
@@ -95,7 +94,7 @@ def test_gigpo_bench_end_to_end(
         "tree_vs_chain_gigpo",
         "tree_gigpo_vs_tree",
     }
-    again = learn_gigpo.run_gigpo_bench(
+    again = learn.run_gigpo_bench(
         out, task=task, regime="test", seeds=1, jobs=1, budgets=(2,), resume=True
     )
     assert again["rows"] == result["rows"] and f"--task {task}" in again["command"]

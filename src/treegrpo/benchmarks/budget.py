@@ -27,53 +27,53 @@ to other processes on a shared machine). torch runs with one intra-op thread by 
 (``threads``). Counts do not depend on timing: the same seed
 gives the same forests on every repeat (checked).
 
-**Instrumentation**: the runner tags expansion cursors (:class:`PhaseRunner`) and the engine records
-every request (:class:`RecordingEngine`), so the cost of the initial chains (``init``) and of the
-expansions (``expand``) is kept apart even when one engine call serves both; a forward pre-hook
-counts the model's work. The analysis (``phases``, ``checks``, ``targets``), the table and the plot
-are :mod:`treegrpo.benchmarks.budget_report`.
+The agent and the instrumentation (init vs expansion cost, the model's work) are
+:mod:`.budget_parts`; the analysis (``phases``, ``checks``, ``targets``), the table and the plot :mod:`.budget_report`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from treegrpo.benchmarks.budget_report import Call, document, plot, print_table, summarize
+from treegrpo.benchmarks.budget_parts import (
+    AgentParts,
+    PhaseRunner,
+    RecordingEngine,
+    count_forwards,
+    load_agent,
+)
+from treegrpo.benchmarks.budget_report import (
+    Call,
+    document,
+    expected_fractions,
+    forest_counts,
+    phase_costs,
+    pick_stats,
+    plot,
+    print_table,
+)
 from treegrpo.benchmarks.provenance import provenance
-from treegrpo.envs.base import AgentEnv, Task
-from treegrpo.rollout.agent import AgentConfig, Budget, Cursor, RolloutResult, StepRunner
-from treegrpo.rollout.engine import Generation, SamplingParams, release_engine_cache
+from treegrpo.benchmarks.runner import Shape, torch_threads, write_result
+from treegrpo.envs.base import Task
+from treegrpo.rollout.agent import Budget, RolloutResult
 from treegrpo.rollout.planner import PAPER_PAIRS
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.tree import Forest
 
 #: The keys of a result row, exactly.
 ROW_KEYS: tuple[str, ...] = (
-    "mode",
-    "budget",
-    "M",
-    "N",
-    "L",
-    "expand_mode",
-    "prefix_reuse",
-    "prompts",
-    "trajectories",
-    "generated_tokens",
-    "prefill_tokens",
-    "tool_calls",
-    "wall_s",
-)
+    "mode", "budget", "M", "N", "L", "expand_mode", "prefix_reuse", "prompts", "trajectories", "generated_tokens",
+    "prefill_tokens", "tool_calls", "wall_s",
+)  # fmt: skip
 DEFAULT_BUDGETS: tuple[int, ...] = tuple(sorted(PAPER_PAIRS))  # 2, 4, 8, 16
 DEFAULT_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
 
@@ -82,30 +82,11 @@ DEFAULT_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One rollout configuration.
-
-    Attributes:
-        mode: ``chain`` or ``tree``.
-        budget: the chain budget it is matched to (chains per prompt).
-        m: initial chains per prompt (for ``chain``: the group size ``G``).
-        n: expansions per tree per round (0 for ``chain``).
-        l: expansion rounds (0 for ``chain``).
-        expand_mode: the tree sampler's pick rule; ``None`` for ``chain``.
-    """
-
-    mode: Literal["chain", "tree"]
-    budget: int
-    m: int
-    n: int
-    l: int
-    expand_mode: str | None
-
+class RunSpec(Shape):
+    """One rollout configuration (:class:`~treegrpo.benchmarks.runner.Shape`)."""
     @property
     def label(self) -> str:
-        if self.mode == "chain":
-            return f"chain {self.m}"
-        return f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"
+        return f"chain {self.m}" if self.mode == "chain" else f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"
 
     def sampler_config(self) -> SamplerConfig:
         if self.mode == "chain":
@@ -123,126 +104,19 @@ def chain_spec(budget: int) -> RunSpec:
 
 def tree_spec(budget: int, shape: tuple[int, int, int], expand_mode: str) -> RunSpec:
     """Tree-GRPO ``shape`` matched to chain ``budget``."""
-    m, n, l = shape
-    return RunSpec("tree", budget, m, n, l, expand_mode)
+    return RunSpec("tree", budget, *shape, expand_mode)
 
 
 def default_specs(
     budgets: Sequence[int] = DEFAULT_BUDGETS, expand_modes: Sequence[str] = DEFAULT_EXPAND_MODES
 ) -> list[RunSpec]:
     """Chain b, then the paper's matched tree for b in each expand mode, budget by budget."""
-    specs: list[RunSpec] = []
-    for b in budgets:
-        specs.append(chain_spec(b))
-        specs += [tree_spec(b, PAPER_PAIRS[b], mode) for mode in expand_modes]
-    return specs
+    return [s for b in budgets for s in (chain_spec(b), *(tree_spec(b, PAPER_PAIRS[b], m) for m in expand_modes))]
 
 
-# -- the agent ------------------------------------------------------------------------------------
-
-
-@dataclass
-class AgentParts:
-    """A model with its tokenizer, environment, agent settings and question pool."""
-
-    model: torch.nn.Module
-    tokenizer: Any
-    env: AgentEnv
-    agent_cfg: AgentConfig
-    tasks: list[Task]
-    model_dir: Path | None = None
-
-
-def load_agent(model_dir: str | Path | None = None) -> AgentParts:
-    """The bootstrapped agent in ``model_dir`` (default: ``ensure_bootstrapped("default")``), with
-    the env and agent settings it was trained with and its world's ``train`` questions."""
-    from treegrpo.models.loader import load_model, load_tokenizer
-    from treegrpo.tasks.world.bootstrap import ensure_bootstrapped, load_setup
-
-    folder = Path(model_dir) if model_dir is not None else ensure_bootstrapped("default")
-    setup = load_setup(folder)
-    model = load_model(folder).eval()
-    return AgentParts(model, load_tokenizer(folder), setup.env, setup.agent, setup.world.tasks("train"), folder)
-
-
-# -- instrumentation ------------------------------------------------------------------------------
-
-
-class ExpansionContext(list):
-    """A context list tagged as an expansion's. It stays tagged as the runner extends it
-    (``context + node.tokens``), so the engine can tell an expansion's requests from an initial
-    chain's in the same call."""
-
-    def __add__(self, other: list) -> ExpansionContext:  # type: ignore[override]
-        return ExpansionContext(list.__add__(self, other))
-
-
-class RecordingEngine:
-    """Wraps an engine and records every call: ``(contexts, generations, phases)``, the phase of a
-    request being ``expand`` when its context is an :class:`ExpansionContext`, else ``init``.
-
-    Recording keeps references only (no copies, no computation) so it does not disturb timing.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.calls: list[Call] = []
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return getattr(self.inner, "eos_token_id", None)
-
-    def generate(
-        self,
-        contexts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        generator: torch.Generator | None = None,
-    ) -> list[Generation]:
-        gens = self.inner.generate(contexts, params, generator)
-        phases = ["expand" if isinstance(c, ExpansionContext) else "init" for c in contexts]
-        self.calls.append((list(contexts), gens, phases))
-        return gens
-
-    def load_weights(self, model: torch.nn.Module) -> None:
-        self.inner.load_weights(model)
-
-    def release_cache(self) -> None:
-        release_engine_cache(self.inner)
-
-
-class PhaseRunner(StepRunner):
-    """A :class:`StepRunner` that tags expansion cursors (:class:`ExpansionContext`): the cursors
-    of every ``run_turns`` call after the first (a sampler that runs its rounds one after the
-    other), and those an ``on_end`` hook adds (a sampler that starts a prompt's expansions as soon
-    as its own trajectories end)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.turn_calls = 0
-
-    def run_turns(
-        self,
-        cursors: Sequence[Cursor],
-        budgets: Sequence[Budget],
-        generator: torch.Generator | None = None,
-        params: SamplingParams | None = None,
-        **kwargs: Any,
-    ) -> int:
-        if self.turn_calls:
-            for c in cursors:
-                c.context = ExpansionContext(c.context)
-        self.turn_calls += 1
-        on_end = kwargs.get("on_end")
-        if on_end is not None:
-
-            def tagged(c: Cursor) -> Sequence[Cursor]:
-                new = list(on_end(c))
-                for n in new:
-                    n.context = ExpansionContext(n.context)
-                return new
-
-            kwargs["on_end"] = tagged
-        return super().run_turns(cursors, budgets, generator, params, **kwargs)
+def critical_specs() -> list[RunSpec]:
+    """The timing-critical block: chain 4, tree (2,2,1) random, tree (2,2,1) nonroot."""
+    return default_specs((4,))
 
 
 @dataclass
@@ -277,6 +151,16 @@ class Measurement:
     def total(self) -> Budget:
         return self.result.total()
 
+    def add_repeat(self, again: Measurement) -> bool:
+        """Take a repeat's wall and CPU seconds; whether it reproduced the counts (else they are kept
+        in ``repeat_mismatches``: same seed, same batches, it should not happen)."""
+        same = counts_key(again) == self.counts
+        if not same:
+            self.repeat_mismatches.append(list(counts_key(again)))
+        self.walls.append(again.result.wall_s)
+        self.cpus.extend(again.cpus)
+        return same
+
     @property
     def wall_s(self) -> float:
         """Median wall seconds over the runs of this configuration (the first alone if one)."""
@@ -291,48 +175,108 @@ def run_once(
     seed: int = 0,
     prefix_cache_mb: float = 1024.0,
     max_batch_size: int | None = None,
+    engine: Any = None,
 ) -> Measurement:
-    """Roll out ``spec`` on ``tasks`` with a fresh engine (prefix reuse ``reuse``) and fixed seed."""
+    """Roll out ``spec`` on ``tasks`` with a fresh HF engine (prefix reuse ``reuse``) and fixed seed.
+    ``engine``: that engine instead (its prefix cache emptied first), the model's work not counted."""
     from treegrpo.rollout.engine import make_engine
 
-    engine = RecordingEngine(
-        make_engine(
-            "hf",
-            agent.model,
-            agent.tokenizer,
-            max_batch_size=max_batch_size,
-            prefix_reuse=reuse,
-            prefix_cache_mb=prefix_cache_mb,
-        )
-    )
-    runner = PhaseRunner(engine, agent.env, agent.tokenizer, agent.agent_cfg)  # type: ignore[arg-type]
+    if engine is None:
+        inner = make_engine("hf", agent.model, agent.tokenizer, max_batch_size=max_batch_size, prefix_reuse=reuse,
+                            prefix_cache_mb=prefix_cache_mb)  # fmt: skip
+    else:
+        inner = engine
+        reset = getattr(getattr(engine, "llm", None), "reset_prefix_cache", None)  # vLLM's outlives a run
+        if callable(reset):
+            reset()
+    recording = RecordingEngine(inner)
+    runner = PhaseRunner(recording, agent.env, agent.tokenizer, agent.agent_cfg)  # type: ignore[arg-type]
     sampler = get_sampler(spec.mode)
-    work = dict.fromkeys(("forwards", "positions", "prefill_forward_positions"), 0)
-
-    def count(_module: torch.nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
-        b, q = kwargs["input_ids"].shape
-        work["forwards"] += 1
-        work["positions"] += b * q
-        if q > 1:
-            work["prefill_forward_positions"] += b * q
-
-    gc.collect()
-    handle = agent.model.register_forward_pre_hook(count, with_kwargs=True)
-    try:
+    if engine is None:
+        gc.collect()
+    with count_forwards(agent.model if engine is None else None) as work:
         cpu0 = time.process_time()
         result = sampler(
             runner, list(tasks), spec.sampler_config(), random.Random(seed), torch.Generator().manual_seed(seed)
         )
         cpu = time.process_time() - cpu0
-    finally:
-        handle.remove()
-    return Measurement(spec, reuse, len(tasks), result, engine.calls, [result.wall_s], [cpu], work)
+    return Measurement(spec, reuse, len(tasks), result, recording.calls, [result.wall_s], [cpu], work)
 
 
 def counts_key(meas: Measurement) -> tuple[int, ...]:
     """The counts a repeat must reproduce exactly (same seed, same forests)."""
     t = meas.total
     return (t.generated_tokens, t.prefill_tokens, t.tool_calls, t.engine_requests)
+
+
+def summarize(meas: Measurement) -> dict[str, Any]:
+    """The row (exactly :data:`ROW_KEYS`) and the details of one measurement. Computed once from
+    the forests and records (kept in ``meas.summary``); later calls refresh the wall times only."""
+    if meas.summary is not None:
+        meas.summary["row"]["wall_s"] = round(meas.wall_s, 4)
+        d = meas.summary["detail"]
+        d["walls"], d["cpu_s"] = [round(w, 4) for w in meas.walls], [round(c, 4) for c in meas.cpus]
+        d["checks"]["repeats_reproduce_counts"] = not meas.repeat_mismatches
+        return meas.summary
+    s = meas.spec
+    tot = meas.total
+    row = {
+        "mode": s.mode, "budget": s.budget, "M": s.m, "N": s.n, "L": s.l, "expand_mode": s.expand_mode,
+        "prefix_reuse": meas.reuse, "prompts": meas.prompts, "trajectories": sum(f.n_trajectories() for f in meas.forests),
+        "generated_tokens": tot.generated_tokens, "prefill_tokens": tot.prefill_tokens, "tool_calls": tot.tool_calls,
+        "wall_s": round(meas.wall_s, 4),
+    }  # fmt: skip
+    phases: dict[str, dict[str, Any]] = phase_costs(meas.calls)
+    fc = forest_counts(meas.forests)
+    for name, p in phases.items():
+        p["tool_calls"] = fc["phases"][name]["tool_calls"]
+    detail: dict[str, Any] = {"config": s.label, "prefix_reuse": meas.reuse, "engine_calls": meas.result.engine_calls, "phases": phases}
+    if s.mode == "tree":
+        k, init, exp = meas.prompts, phases.get("init", {}), phases.get("expand", {})
+        chains, expansions = k * s.m, k * s.m * s.n * s.l
+        per_chain = init.get("generated_tokens", 0) / max(1, chains)
+        per_exp = exp.get("generated_tokens", 0) / max(1, expansions)
+        detail.update(
+            pick_stats(meas.forests), gen_tokens_per_chain=per_chain, gen_tokens_per_expansion=per_exp,
+            f_measured=per_exp / per_chain if per_chain else None,
+            tool_calls_per_chain=init.get("tool_calls", 0) / max(1, chains),
+            tool_calls_per_expansion=exp.get("tool_calls", 0) / max(1, expansions),
+        )  # fmt: skip
+        if s.l == 1:
+            detail.update(expected_fractions(meas.forests, s.expand_mode))
+            fe, te = detail["f_expected"], detail["tool_fraction_expected"]
+            tc = detail["tool_calls_per_chain"]
+            detail["tool_fraction_measured"] = detail["tool_calls_per_expansion"] / tc if tc else None
+            # vs chains like these initial ones: (1 + N) trajectories for (1 + N·f) chains of tokens
+            detail["traj_per_token_gain_expected"] = (1 + s.n) / (1 + s.n * fe) if fe is not None else None
+            detail["tool_calls_per_traj_ratio_expected"] = (1 + s.n * te) / (1 + s.n) if te is not None else None
+    checks = {
+        "trajectories": row["trajectories"] == fc["trajectories"] == meas.prompts * s.trajectories_per_prompt(),
+        "generated_tokens": row["generated_tokens"] == fc["generated_tokens"],
+        "tool_calls": row["tool_calls"] == fc["tool_calls"],
+        "requests": tot.engine_requests == fc["steps"],
+        "context_tokens": sum(p["context_tokens"] for p in phases.values()) == fc["context_tokens"],
+        "phases": all(
+            p["requests"] == fc["phases"][n]["steps"] and p["generated_tokens"] == fc["phases"][n]["generated_tokens"]
+            for n, p in phases.items()
+        ),
+    }
+    if meas.reuse:
+        checks["prefill_equals_uncached"] = row["prefill_tokens"] == sum(p["uncached_tokens"] for p in phases.values())
+    else:
+        checks["prefill_equals_context"] = row["prefill_tokens"] == fc["context_tokens"]
+    checks["repeats_reproduce_counts"] = not meas.repeat_mismatches
+    detail["checks"] = checks
+    detail["walls"] = [round(w, 4) for w in meas.walls]
+    detail["cpu_s"] = [round(c, 4) for c in meas.cpus]
+    if meas.model_work:
+        # positions the model really had to run: prefill tokens + every sampled token fed back
+        # (all but the last of each step); the rest of what it ran is padding.
+        real = tot.prefill_tokens + tot.generated_tokens - tot.engine_requests
+        w = meas.model_work
+        pad = round(1 - real / w["positions"], 4) if w["positions"] else None
+        detail["model_work"] = {**w, "real_positions": real, "padding_fraction": pad}
+    return {"row": row, "detail": detail}
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -355,11 +299,10 @@ def measure_all(
     time. Their first run, among the other configurations, is their warm-up: only the block's
     runs are their ``walls``.
 
-    Returns one :class:`Measurement` per (spec, reuse), in ``specs`` order, summarized
-    (:func:`summarize`) right after its first run; ``walls`` holds its timed runs. With ``keep``
-    false the forests and call records are dropped once summarized (they are large). A repeat must
-    reproduce the counts of the first run exactly (same seed); a mismatch is logged and kept in
-    ``repeat_mismatches`` (the ``repeats_reproduce_counts`` check).
+    Returns one :class:`Measurement` per (spec, reuse), in ``specs`` order, summarized right after
+    its first run; ``walls`` holds its timed runs. With ``keep`` false the forests and call records
+    are dropped once summarized (they are large). A repeat must reproduce the first run's counts
+    (same seed); a mismatch is logged and kept in ``repeat_mismatches``.
     """
     by_key: dict[tuple[RunSpec, bool], Measurement] = {}
 
@@ -370,10 +313,8 @@ def measure_all(
             meas.drop_records()
         by_key[(spec, reuse)] = meas
         r = meas.summary["row"]
-        log(
-            f"{spec.label:<24} reuse={'on ' if reuse else 'off'} {meas.walls[0]:7.2f}s  traj {r['trajectories']}  "
-            f"gen {r['generated_tokens']}  prefill {r['prefill_tokens']}  tools {r['tool_calls']}"
-        )
+        log(f"{spec.label:<24} reuse={'on ' if reuse else 'off'} {meas.walls[0]:7.2f}s  traj {r['trajectories']}  "
+            f"gen {r['generated_tokens']}  prefill {r['prefill_tokens']}  tools {r['tool_calls']}")  # fmt: skip
 
     i = 0
     for spec in specs:
@@ -389,30 +330,11 @@ def measure_all(
         for spec in order:
             for reuse in reuse_modes if (i + r) % 2 == 0 else tuple(reversed(reuse_modes)):
                 again = run_once(agent, tasks, spec, reuse, seed)
-                base = by_key[(spec, reuse)]
-                if counts_key(again) != base.counts:  # same seed, same batches: should not happen
-                    base.repeat_mismatches.append(list(counts_key(again)))
+                if not by_key[(spec, reuse)].add_repeat(again):
                     log(f"warning: {spec.label} reuse={reuse}: a repeat gave other counts {counts_key(again)}")
-                base.walls.append(again.result.wall_s)
-                base.cpus.extend(again.cpus)
             i += 1
-        log(
-            f"repeat {r}: "
-            + "  ".join(f"{s.label} {by_key[(s, reuse_modes[0])].walls[-1]:.2f}s" for s in order)
-        )
+        log(f"repeat {r}: " + "  ".join(f"{s.label} {by_key[(s, reuse_modes[0])].walls[-1]:.2f}s" for s in order))
     return [by_key[(s, r)] for s in specs for r in reuse_modes]
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``threads`` meanwhile, restored after (``None`` / 0: left)."""
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_bench(
@@ -433,12 +355,10 @@ def run_bench(
     setting alone). One is the default: on a shared 2-core machine two OpenMP threads make the tiny
     model's small matmuls orders of magnitude slower whenever another process holds a core.
     """
-    from rich.console import Console
-
     if console is None:
-        console = Console()
-        if not console.is_terminal:  # a pipe or file: don't squeeze the tables into 80 columns
-            console = Console(width=150)
+        from rich.console import Console
+
+        console = Console() if Console().is_terminal else Console(width=150)  # a pipe: no 80 columns
     log = log or (lambda m: console.print(m, highlight=False))
     with torch_threads(threads):
         t0 = time.perf_counter()
@@ -446,51 +366,30 @@ def run_bench(
         prov = provenance(model_dir=agent.model_dir)
         tasks = random.Random(seed).sample(agent.tasks, min(prompts, len(agent.tasks)))
         specs = list(specs) if specs is not None else default_specs()
-        critical = [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
+        critical = critical_specs()
         # warm-up (untimed): first forwards allocate, import lazily, fill allocator pools
         for reuse in (True, False):
             run_once(agent, tasks[:4], chain_spec(2), reuse, seed)
         measurements = measure_all(agent, tasks, specs, seed, repeats, critical, keep=False, log=log)
         meta = {
-            "model": str(agent.model_dir),
-            "prompts": len(tasks),
-            "task_ids": [t.id for t in tasks],
-            "seed": seed,
-            "repeats_critical": repeats,
-            "critical": [s.label for s in critical],
-            "agent": {k: getattr(agent.agent_cfg, k) for k in vars(agent.agent_cfg)},
-            "torch": torch.__version__,
+            "model": str(agent.model_dir), "prompts": len(tasks), "task_ids": [t.id for t in tasks], "seed": seed,
+            "repeats_critical": repeats, "critical": [s.label for s in critical],
+            "agent": {k: getattr(agent.agent_cfg, k) for k in vars(agent.agent_cfg)}, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "wall_s": "sampler RolloutResult.wall_s (engine + env + bookkeeping); median over repeats for critical configs",
-            "row_M_N_L_for_chain": "M = chains per prompt, N = L = 0",
-            "bench_wall_s": None,
-        }
+            "row_M_N_L_for_chain": "M = chains per prompt, N = L = 0", "bench_wall_s": None,
+        }  # fmt: skip
         doc = document([summarize(m) for m in measurements], specs, meta)
         doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
         doc["provenance"] = prov
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1))
-        plot(doc["rows"], out.with_suffix(".png"))
+        write_result(out, doc, plot, lambda d: d["rows"])
         print_table(doc["rows"], doc["targets"], console)
         log(f"wrote {out} and {out.with_suffix('.png')} in {doc['meta']['bench_wall_s']:.0f}s")
         return doc
 
 
 __all__ = [
-    "ROW_KEYS",
-    "AgentParts",
-    "ExpansionContext",
-    "Measurement",
-    "PhaseRunner",
-    "RecordingEngine",
-    "RunSpec",
-    "chain_spec",
-    "counts_key",
-    "default_specs",
-    "load_agent",
-    "measure_all",
-    "run_bench",
-    "run_once",
-    "torch_threads",
-    "tree_spec",
-]
+    "ROW_KEYS", "AgentParts", "Measurement", "PhaseRunner", "RecordingEngine", "RunSpec",
+    "chain_spec", "counts_key", "critical_specs", "default_specs", "load_agent", "measure_all", "run_bench", "run_once",
+    "summarize", "torch_threads", "tree_spec",
+]  # fmt: skip

@@ -40,28 +40,25 @@ import torch
 
 from treegrpo.benchmarks.budget import (
     DEFAULT_EXPAND_MODES,
-    AgentParts,
     Measurement,
-    PhaseRunner,
-    RecordingEngine,
     RunSpec,
     chain_spec,
-    counts_key,
-    load_agent,
-    torch_threads,
+    critical_specs,
+    run_once,
+    summarize,
     tree_spec,
 )
-from treegrpo.benchmarks.budget_report import summarize
+from treegrpo.benchmarks.budget_parts import AgentParts, load_agent
 from treegrpo.benchmarks.provenance import provenance
+from treegrpo.benchmarks.runner import pyplot, save_figure, torch_threads, write_result
 from treegrpo.rollout.planner import PAPER_PAIRS
-from treegrpo.rollout.samplers import get_sampler
 
 FORMAT = "treegrpo.bench.budget_engine/v1"
 
 
 def engine_specs() -> list[RunSpec]:
     """chain 4, tree (2,2,1) random, tree (2,2,1) nonroot."""
-    return [chain_spec(4), *(tree_spec(4, PAPER_PAIRS[4], m) for m in DEFAULT_EXPAND_MODES)]
+    return critical_specs()
 
 
 def load_any_agent(model: str | None, max_turns: int, max_step_tokens: int) -> AgentParts:
@@ -79,25 +76,9 @@ def load_any_agent(model: str | None, max_turns: int, max_step_tokens: int) -> A
     return AgentParts(parts.model.eval(), parts.tokenizer, parts.env, parts.agent_cfg, parts.train_tasks, parts.model_dir)
 
 
-def _reset(engine: Any) -> None:
-    """An empty prefix cache for the next run (vLLM's lives as long as the engine)."""
-    reset = getattr(getattr(engine, "llm", None), "reset_prefix_cache", None)
-    if callable(reset):
-        reset()
-
-
 def run_with(agent: AgentParts, tasks: Sequence[Any], spec: RunSpec, make: Callable[[], Any], seed: int) -> Measurement:
     """Roll out ``spec`` on ``tasks`` with the engine ``make()`` returns (prefix cache emptied)."""
-    inner = make()
-    _reset(inner)
-    engine = RecordingEngine(inner)
-    runner = PhaseRunner(engine, agent.env, agent.tokenizer, agent.agent_cfg)  # type: ignore[arg-type]
-    cpu0 = time.process_time()
-    result = get_sampler(spec.mode)(
-        runner, list(tasks), spec.sampler_config(), random.Random(seed), torch.Generator().manual_seed(seed)
-    )
-    cpu = time.process_time() - cpu0
-    return Measurement(spec, True, len(tasks), result, engine.calls, [result.wall_s], [cpu], {})
+    return run_once(agent, tasks, spec, True, seed, engine=make())
 
 
 def engine_figures(meas: Measurement, detail: dict[str, Any]) -> dict[str, Any]:
@@ -109,23 +90,15 @@ def engine_figures(meas: Measurement, detail: dict[str, Any]) -> dict[str, Any]:
     context = sum(p["context_tokens"] for p in detail["phases"].values())
     uncached = sum(p.get("uncached_tokens", 0) for p in detail["phases"].values())
     return {
-        "config": meas.spec.label,
-        "wall_s": round(wall, 4),
-        "cpu_s": round(cpu, 4),
-        "walls": [round(w, 4) for w in meas.walls],
-        "cpus": [round(c, 4) for c in meas.cpus],
-        "trajectories": traj,
-        "generated_tokens": tot.generated_tokens,
-        "prefill_tokens": tot.prefill_tokens,
-        "context_tokens": context,
-        "uncached_tokens": uncached,
-        "prefix_cache_hit_tokens": context - tot.prefill_tokens,
-        "engine_cached_tokens": cached,
-        "gen_tokens_per_cpu_s": round(tot.generated_tokens / cpu, 3) if cpu else None,
+        "config": meas.spec.label, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+        "walls": [round(w, 4) for w in meas.walls], "cpus": [round(c, 4) for c in meas.cpus], "trajectories": traj,
+        "generated_tokens": tot.generated_tokens, "prefill_tokens": tot.prefill_tokens, "context_tokens": context,
+        "uncached_tokens": uncached, "prefix_cache_hit_tokens": context - tot.prefill_tokens,
+        "engine_cached_tokens": cached, "gen_tokens_per_cpu_s": round(tot.generated_tokens / cpu, 3) if cpu else None,
         "wall_per_traj_s": round(wall / max(1, traj), 5),
         "wall_per_gen_token_ms": round(1000 * wall / max(1, tot.generated_tokens), 4),
         "repeats_reproduce_counts": not meas.repeat_mismatches,
-    }
+    }  # fmt: skip
 
 
 def tree_vs_chain(figures: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -156,20 +129,10 @@ def compare(vllm_doc: dict[str, Any], hf_doc: dict[str, Any]) -> dict[str, dict[
 
 
 def run_engine_bench(
-    out: Path,
-    engine: str = "vllm",
-    model: str | None = None,
-    prompts: int = 4,
-    seed: int = 0,
-    repeats: int = 2,
-    threads: int = 1,
-    max_turns: int = 2,
-    max_step_tokens: int = 48,
-    against: Path | None = None,
-    engine_options: dict[str, Any] | None = None,
-    log: Callable[[str], object] = print,
-    agent: AgentParts | None = None,
-) -> dict[str, Any]:
+    out: Path, engine: str = "vllm", model: str | None = None, prompts: int = 4, seed: int = 0, repeats: int = 2,
+    threads: int = 1, max_turns: int = 2, max_step_tokens: int = 48, against: Path | None = None,
+    engine_options: dict[str, Any] | None = None, log: Callable[[str], object] = print, agent: AgentParts | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the block with ``engine``, write ``out`` (JSON) and the plot beside it (``.png``);
     with ``against`` (the other engine's document) the engine comparison goes in too. ``agent``
     replaces the one ``model`` names (tests)."""
@@ -200,11 +163,7 @@ def run_engine_bench(
             log(f"{engine} {s.label:<24} gen {m.total.generated_tokens}  prefill {m.total.prefill_tokens}")
         for r in range(repeats):
             for s in specs[r % len(specs) :] + specs[: r % len(specs)]:
-                again = run_with(agent, tasks, s, make, seed)
-                if counts_key(again) != meas[s].counts:
-                    meas[s].repeat_mismatches.append(list(counts_key(again)))
-                meas[s].walls.append(again.result.wall_s)
-                meas[s].cpus.extend(again.cpus)
+                meas[s].add_repeat(run_with(agent, tasks, s, make, seed))
             log(f"repeat {r + 1}: " + "  ".join(f"{s.label} {meas[s].walls[-1]:.2f}s" for s in specs))
     summaries = [summarize(meas[s]) for s in specs]
     figures = [engine_figures(meas[s], sm["detail"]) for s, sm in zip(specs, summaries, strict=True)]
@@ -232,9 +191,7 @@ def run_engine_bench(
         doc["against"] = {"file": str(against), "engine_figures": other["engine_figures"]}
     doc["meta"]["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     doc["provenance"] = provenance(model_dir=agent.model_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    plot_engines(doc, out.with_suffix(".png"))
+    write_result(out, doc, plot_engines)
     for f in figures:
         log(
             f"{f['config']:<24} wall {f['wall_s']:7.2f}s  cpu {f['cpu_s']:7.2f}s  gen/cpu-s {f['gen_tokens_per_cpu_s']}  "
@@ -249,11 +206,7 @@ def run_engine_bench(
 def plot_engines(doc: dict[str, Any], png: Path) -> None:
     """Generated tokens per CPU second and wall ms per generated token, per configuration, for
     this engine (and the compared one when present)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sets = [(doc["meta"]["engine"], doc["engine_figures"])]
     if "against" in doc:
         other = "hf" if doc["meta"]["engine"] == "vllm" else "vllm"
@@ -271,9 +224,7 @@ def plot_engines(doc: dict[str, Any], png: Path) -> None:
         ax.set_title(title)
         ax.legend()
     fig.suptitle(f"{Path(doc['meta']['model']).name}: {doc['meta']['prompts']} prompts, {doc['meta']['threads']} thread(s)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 __all__ = ["compare", "engine_figures", "engine_specs", "load_any_agent", "run_engine_bench", "run_with", "tree_vs_chain"]

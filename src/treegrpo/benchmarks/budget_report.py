@@ -1,9 +1,10 @@
 """The analysis of ``treegrpo bench budget`` measurements: pure functions of the call records, the
 forests and the result rows (:data:`treegrpo.benchmarks.budget.ROW_KEYS`) — costs per phase, pick
 statistics, consistency checks, the issue's targets, the terminal table and the plot. The runner
-(specs, instrumentation, running) is :mod:`treegrpo.benchmarks.budget`.
+(specs, instrumentation, running, one row per measurement) is :mod:`treegrpo.benchmarks.budget`;
+nothing here imports it.
 
-**Per row** (``phases`` in the JSON; :func:`summarize`): costs per phase (``init`` / ``expand``)
+**Per row** (``phases`` in the JSON; :func:`treegrpo.benchmarks.budget.summarize`): costs per phase (``init`` / ``expand``)
 against what an ideal prefix cache must prefill, where expansions started, the expansion cost
 fraction measured and expected, the model's work, and count checks against the forests.
 
@@ -21,14 +22,12 @@ import itertools
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from treegrpo.benchmarks.runner import pyplot, save_figure
 from treegrpo.rollout.engine import Generation
 from treegrpo.rollout.planner import PAPER_PAIRS
 from treegrpo.tree import Forest
-
-if TYPE_CHECKING:
-    from treegrpo.benchmarks.budget import Measurement, RunSpec
 
 FORMAT = "treegrpo.bench.budget/v1"
 #: One engine call as recorded: ``(contexts, generations, phases)`` (``init`` / ``expand`` each).
@@ -119,14 +118,8 @@ def forest_counts(forests: Sequence[Forest]) -> dict[str, Any]:
                 ph["generated_tokens"] += g
                 ph["tool_calls"] += t
                 ph["steps"] += 1
-    return {
-        "trajectories": traj,
-        "generated_tokens": gen,
-        "tool_calls": tools,
-        "steps": steps,
-        "context_tokens": ctx_tokens,
-        "phases": phases,
-    }
+    return {"trajectories": traj, "generated_tokens": gen, "tool_calls": tools, "steps": steps,
+            "context_tokens": ctx_tokens, "phases": phases}  # fmt: skip
 
 
 def pick_stats(forests: Sequence[Forest]) -> dict[str, Any]:
@@ -148,13 +141,8 @@ def pick_stats(forests: Sequence[Forest]) -> dict[str, Any]:
                 else:
                     deeper += extra
     picks = root + deeper
-    return {
-        "picks": picks,
-        "root_picks": root,
-        "nonroot_picks": deeper,
-        "root_fraction": root / picks if picks else None,
-        "mean_pick_depth": sum(depths) / len(depths) if depths else None,
-    }
+    return {"picks": picks, "root_picks": root, "nonroot_picks": deeper, "root_fraction": root / picks if picks else None,
+            "mean_pick_depth": sum(depths) / len(depths) if depths else None}  # fmt: skip
 
 
 def expected_fractions(forests: Sequence[Forest], expand_mode: str | None) -> dict[str, float | None]:
@@ -198,91 +186,6 @@ def expected_fractions(forests: Sequence[Forest], expand_mode: str | None) -> di
         "f_expected": exp_t / n / mean_t if mean_t else None,
         "tool_fraction_expected": exp_c / n / mean_c if mean_c else None,
     }
-
-
-def summarize(meas: Measurement) -> dict[str, Any]:
-    """The row (exactly :data:`ROW_KEYS`) and the details of one measurement. Computed once from
-    the forests and records (kept in ``meas.summary``); later calls refresh the wall times only."""
-    if meas.summary is not None:
-        meas.summary["row"]["wall_s"] = round(meas.wall_s, 4)
-        meas.summary["detail"]["walls"] = [round(w, 4) for w in meas.walls]
-        meas.summary["detail"]["cpu_s"] = [round(c, 4) for c in meas.cpus]
-        meas.summary["detail"]["checks"]["repeats_reproduce_counts"] = not meas.repeat_mismatches
-        return meas.summary
-    s = meas.spec
-    tot = meas.total
-    row = {
-        "mode": s.mode,
-        "budget": s.budget,
-        "M": s.m,
-        "N": s.n,
-        "L": s.l,
-        "expand_mode": s.expand_mode,
-        "prefix_reuse": meas.reuse,
-        "prompts": meas.prompts,
-        "trajectories": sum(f.n_trajectories() for f in meas.forests),
-        "generated_tokens": tot.generated_tokens,
-        "prefill_tokens": tot.prefill_tokens,
-        "tool_calls": tot.tool_calls,
-        "wall_s": round(meas.wall_s, 4),
-    }
-    phases: dict[str, dict[str, Any]] = phase_costs(meas.calls)
-    fc = forest_counts(meas.forests)
-    for name, p in phases.items():
-        p["tool_calls"] = fc["phases"][name]["tool_calls"]
-    detail: dict[str, Any] = {"config": s.label, "prefix_reuse": meas.reuse, "engine_calls": meas.result.engine_calls, "phases": phases}
-    if s.mode == "tree":
-        k, init, exp = meas.prompts, phases.get("init", {}), phases.get("expand", {})
-        chains, expansions = k * s.m, k * s.m * s.n * s.l
-        per_chain = init.get("generated_tokens", 0) / max(1, chains)
-        per_exp = exp.get("generated_tokens", 0) / max(1, expansions)
-        detail.update(
-            pick_stats(meas.forests),
-            gen_tokens_per_chain=per_chain,
-            gen_tokens_per_expansion=per_exp,
-            f_measured=per_exp / per_chain if per_chain else None,
-            tool_calls_per_chain=init.get("tool_calls", 0) / max(1, chains),
-            tool_calls_per_expansion=exp.get("tool_calls", 0) / max(1, expansions),
-        )
-        if s.l == 1:
-            detail.update(expected_fractions(meas.forests, s.expand_mode))
-            fe, te = detail["f_expected"], detail["tool_fraction_expected"]
-            tc = detail["tool_calls_per_chain"]
-            detail["tool_fraction_measured"] = detail["tool_calls_per_expansion"] / tc if tc else None
-            # vs chains like these initial ones: (1 + N) trajectories for (1 + N·f) chains of tokens
-            detail["traj_per_token_gain_expected"] = (1 + s.n) / (1 + s.n * fe) if fe is not None else None
-            detail["tool_calls_per_traj_ratio_expected"] = (1 + s.n * te) / (1 + s.n) if te is not None else None
-    checks = {
-        "trajectories": row["trajectories"] == fc["trajectories"] == meas.prompts * s.trajectories_per_prompt(),
-        "generated_tokens": row["generated_tokens"] == fc["generated_tokens"],
-        "tool_calls": row["tool_calls"] == fc["tool_calls"],
-        "requests": tot.engine_requests == fc["steps"],
-        "context_tokens": sum(p["context_tokens"] for p in phases.values()) == fc["context_tokens"],
-        "phases": all(
-            p["requests"] == fc["phases"][n]["steps"] and p["generated_tokens"] == fc["phases"][n]["generated_tokens"]
-            for n, p in phases.items()
-        ),
-    }
-    if meas.reuse:
-        checks["prefill_equals_uncached"] = row["prefill_tokens"] == sum(p["uncached_tokens"] for p in phases.values())
-    else:
-        checks["prefill_equals_context"] = row["prefill_tokens"] == fc["context_tokens"]
-    checks["repeats_reproduce_counts"] = not meas.repeat_mismatches
-    detail["checks"] = checks
-    detail["walls"] = [round(w, 4) for w in meas.walls]
-    detail["cpu_s"] = [round(c, 4) for c in meas.cpus]
-    if meas.model_work:
-        # positions the model really had to run: prefill tokens + every sampled token fed back
-        # (all but the last of each step); the rest of what it ran is padding.
-        real = tot.prefill_tokens + tot.generated_tokens - tot.engine_requests
-        w = meas.model_work
-        detail["model_work"] = {
-            **w,
-            "real_positions": real,
-            "padding_fraction": round(1 - real / w["positions"], 4) if w["positions"] else None,
-        }
-    return {"row": row, "detail": detail}
-
 
 
 # -- targets --------------------------------------------------------------------------------------
@@ -381,8 +284,9 @@ def compute_targets(
     return out
 
 
-def document(summaries: Sequence[dict[str, Any]], specs: Sequence[RunSpec], meta: dict[str, Any]) -> dict[str, Any]:
-    """The results JSON from the :func:`summarize` output of every measurement: ``rows``,
+def document(summaries: Sequence[dict[str, Any]], specs: Sequence[Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The results JSON from the ``summarize`` output of every measurement (``specs``: their
+    :class:`~treegrpo.benchmarks.budget.RunSpec` values, in order): ``rows``,
     ``targets``, ``phases`` (the details), ``checks`` (every row's counts agree with its forests; per
     spec, reuse on and off gave the same counts — the same forests up to float rounding of the
     logits) and ``meta`` as given."""
@@ -419,17 +323,11 @@ def print_table(rows: Sequence[dict[str, Any]], targets: dict[str, dict[str, Any
     for r in rows:
         label = f"chain {r['budget']}" if r["mode"] == "chain" else f"tree ({r['M']},{r['N']},{r['L']}) {r['expand_mode']}"
         t.add_row(
-            label,
-            "on" if r["prefix_reuse"] else "off",
-            str(r["trajectories"]),
-            str(r["generated_tokens"]),
-            str(r["prefill_tokens"]),
-            str(r["tool_calls"]),
-            f"{r['wall_s']:.2f}",
+            label, "on" if r["prefix_reuse"] else "off", str(r["trajectories"]), str(r["generated_tokens"]),
+            str(r["prefill_tokens"]), str(r["tool_calls"]), f"{r['wall_s']:.2f}",
             f"{1000 * r['trajectories'] / max(1, r['generated_tokens']):.2f}",
-            f"{r['tool_calls'] / max(1, r['trajectories']):.2f}",
-            f"{r['wall_s'] / max(1, r['trajectories']):.4f}",
-        )
+            f"{r['tool_calls'] / max(1, r['trajectories']):.2f}", f"{r['wall_s'] / max(1, r['trajectories']):.4f}",
+        )  # fmt: skip
     console.print(t)
     tt = Table(title="targets")
     for c in ("target", "measured", "need", "pass"):
@@ -446,11 +344,7 @@ def print_table(rows: Sequence[dict[str, Any]], targets: dict[str, dict[str, Any
 def plot(rows: Sequence[dict[str, Any]], png: Path) -> None:
     """Three panels by chain budget: trajectories per 1k generated tokens, tool calls per
     trajectory, wall seconds per trajectory (reuse on solid, off dashed); chain vs tree modes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     series: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -476,9 +370,7 @@ def plot(rows: Sequence[dict[str, Any]], png: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=7)
     fig.suptitle("Rollout budget: chain vs Tree-GRPO (same prompts, model, seed)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 __all__ = [
@@ -492,6 +384,5 @@ __all__ = [
     "pick_stats",
     "plot",
     "print_table",
-    "summarize",
     "uncached_tokens",
 ]

@@ -4,10 +4,21 @@ The main command line (:mod:`treegrpo.cli`) mounts this sub-app."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
 bench = typer.Typer(help="Reproducible measurements; results as JSON under benchmarks/results/.", no_args_is_help=True)
+
+
+def _log(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def _fail(message: str) -> NoReturn:
+    """The one-line error of a bad option or a failed run (exit status 2)."""
+    typer.echo(message, err=True)
+    raise typer.Exit(2)
 
 
 @bench.command("retrieval")
@@ -25,13 +36,11 @@ def bench_retrieval_cmd(
     kinds = [k.strip() for k in retrievers.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("bm25", "dense", "hybrid")]
     if bad or not kinds:
-        typer.echo(f"error: unknown retriever(s) {bad}; choose from bm25, dense, hybrid", err=True)
-        raise typer.Exit(2)
+        _fail(f"error: unknown retriever(s) {bad}; choose from bm25, dense, hybrid")
     try:
-        run(queries, out, kinds, n=n, load=load, log=lambda m: typer.echo(m, err=True))
+        run(queries, out, kinds, n=n, load=load, log=_log)
     except (ConfigError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _fail(f"error: {e}")
 
 
 @bench.command("packing")
@@ -46,7 +55,7 @@ def bench_packing_cmd(
     forests from real rollouts of the default tiny agent: tree (2,2,1) and tree (4,5,1)."""
     from treegrpo.benchmarks.packing import run_bench
 
-    run_bench(out, prompts=prompts, repeats=repeats, seed=seed, threads=threads, log=lambda m: typer.echo(m, err=True))
+    run_bench(out, prompts=prompts, repeats=repeats, seed=seed, threads=threads, log=_log)
 
 
 @bench.command("budget")
@@ -67,17 +76,14 @@ def bench_budget_cmd(
     prefill tokens, tool calls, wall seconds; the issue's target ratios with pass/fail. With
     --engine: the timing-critical block with one engine (tokens per CPU second, prefix-cache hits)."""
     if (prompts is not None and prompts < 1) or (repeats is not None and repeats < 1) or threads < 0:
-        typer.echo("error: --prompts and --repeats must be >= 1, --threads >= 0", err=True)
-        raise typer.Exit(2)
+        _fail("error: --prompts and --repeats must be >= 1, --threads >= 0")
     if engine is not None:
         from treegrpo.rollout.engine import ENGINE_NAMES
 
         if engine not in ENGINE_NAMES:
-            typer.echo(f"error: --engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}", err=True)
-            raise typer.Exit(2)
+            _fail(f"error: --engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}")
         if against is not None and not against.is_file():
-            typer.echo(f"error: --against {against}: no such results file", err=True)
-            raise typer.Exit(2)
+            _fail(f"error: --against {against}: no such results file")
         from treegrpo.benchmarks.budget_engines import run_engine_bench
         from treegrpo.train.config import ConfigError
 
@@ -85,18 +91,16 @@ def bench_budget_cmd(
             run_engine_bench(
                 out or Path(f"benchmarks/results/budget_{engine}.json"), engine=engine, model=model,
                 prompts=prompts or 4, seed=seed, repeats=repeats or 2, threads=threads, max_turns=max_turns,
-                max_step_tokens=max_step_tokens, against=against, log=lambda m: typer.echo(m, err=True),
+                max_step_tokens=max_step_tokens, against=against, log=_log,
             )  # fmt: skip
         except (ConfigError, ImportError, ValueError) as e:
-            typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
-            raise typer.Exit(2) from None
+            _fail(f"error: {str(e).splitlines()[0]}")
         return
     from treegrpo.benchmarks.budget import run_bench
 
     folder = Path(model) if model is not None else None
     if folder is not None and not (folder / "treegrpo_tiny.json").is_file():
-        typer.echo(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json); other models need --engine", err=True)
-        raise typer.Exit(2)
+        _fail(f"error: --model {model}: not a bootstrapped agent or a checkpoint of one (no treegrpo_tiny.json); other models need --engine")
     run_bench(
         out or Path("benchmarks/results/budget.json"), prompts=prompts or 32, seed=seed, repeats=repeats or 5,
         threads=threads or None, model_dir=folder,
@@ -126,10 +130,7 @@ def bench_eptree_cmd(
     except ValueError:
         seed_list = rl_seed_list = []
     if not seed_list or not rl_seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
-        typer.echo(
-            "error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1", err=True
-        )
-        raise typer.Exit(2)
+        _fail("error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1")
     run_bench(
         out,
         prompts=prompts,
@@ -140,7 +141,7 @@ def bench_eptree_cmd(
         rl_lr=rl_lr,
         eval_prompts=eval_prompts,
         threads=threads or None,
-        log=lambda m: typer.echo(m, err=True),
+        log=_log,
     )
 
 
@@ -172,8 +173,7 @@ def bench_learn_cmd(
     try:
         worlds = [int(x) for x in world_seed.split(",") if x.strip()]
     except ValueError:
-        typer.echo(f"error: --world-seed {world_seed!r}: give integers, e.g. --world-seed 0,1", err=True)
-        raise typer.Exit(2) from None
+        _fail(f"error: --world-seed {world_seed!r}: give integers, e.g. --world-seed 0,1")
     modes = [m.strip() for m in expand_modes.split(",") if m.strip()]
     problems = []
     try:
@@ -199,10 +199,9 @@ def bench_learn_cmd(
     if gigpo and (quick or worlds or tuple(modes) != EXPAND_MODES):
         problems.append("--gigpo runs budgets 2,4 (or --budgets) with random picks on the regime's world: drop --quick, --world-seed and --expand-modes")
     if problems:
-        typer.echo("error: " + "; ".join(problems), err=True)
-        raise typer.Exit(2)
+        _fail("error: " + "; ".join(problems))
     if gigpo:
-        from treegrpo.benchmarks.learn_gigpo import run_gigpo_bench
+        from treegrpo.benchmarks.learn import run_gigpo_bench
 
         run_gigpo_bench(
             out, task=task, regime=regime, seeds=seeds, jobs=jobs, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
@@ -233,11 +232,10 @@ def bench_stateful_cmd(
     from treegrpo.benchmarks.stateful import run_bench
 
     if min(seeds, steps, prompts_per_step, eval_prompts) < 1 or not lr > 0:
-        typer.echo("error: --seeds, --steps, --prompts-per-step and --eval-prompts must be >= 1 and --lr > 0", err=True)
-        raise typer.Exit(2)
+        _fail("error: --seeds, --steps, --prompts-per-step and --eval-prompts must be >= 1 and --lr > 0")
     run_bench(
         out, quick=quick, seeds=seeds, steps=steps, prompts_per_step=prompts_per_step, lr=lr,
-        eval_prompts=eval_prompts, skip_learn=skip_learn, log=lambda m: typer.echo(m, err=True),
+        eval_prompts=eval_prompts, skip_learn=skip_learn, log=_log,
     )
 
 
@@ -316,10 +314,9 @@ def bench_scale_cmd(
 
     extra = [x for kv in set_ for x in ("--set", kv)]
     try:
-        run_bench(out, steps=steps, worlds=(1, nproc), model=model, extra=extra, log=lambda m: typer.echo(m, err=True))
+        run_bench(out, steps=steps, worlds=(1, nproc), model=model, extra=extra, log=_log)
     except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _fail(f"error: {e}")
 
 
 @bench.command("peers")

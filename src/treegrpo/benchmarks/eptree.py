@@ -31,7 +31,6 @@ Results: JSON (``--out``) and a PNG plot beside it.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
 from treegrpo.tree import Forest
 
 DEFAULT_SHAPE: tuple[int, int, int, int] = (6, 2, 1, 2)
@@ -92,16 +92,12 @@ def forest_stats(forests: Sequence[Forest]) -> dict[str, float]:
         mixed += int(len({leaf.reward for _, leaf in mine}) > 1)
     n = max(1, len(forests))
     return {
-        "pass_rate": passed / n,
-        "distinct_correct": distinct / n,
-        "correct_frac": correct / max(1, leaves),
-        "correct_leaves": correct / n,
-        "mixed_frac": mixed / n,
+        "pass_rate": passed / n, "distinct_correct": distinct / n, "correct_frac": correct / max(1, leaves),
+        "correct_leaves": correct / n, "mixed_frac": mixed / n,
         "branch_correct_frac": branch_ok / branches if branches else None,
-        "rescued_frac": rescued / failed if failed else None,
-        "hard_prompts": hard if _has_rounds(forests) else None,
+        "rescued_frac": rescued / failed if failed else None, "hard_prompts": hard if _has_rounds(forests) else None,
         "hard_rescued_frac": hard_ok / hard if hard else None,
-    }
+    }  # fmt: skip
 
 
 def _has_rounds(forests: Sequence[Forest]) -> bool:
@@ -149,17 +145,11 @@ def sampling_rows(
             res = get_sampler(cfg.name)(runner, tasks, cfg, random.Random(seed), torch.Generator().manual_seed(seed))
             total = res.total()
             row = {
-                "method": method,
-                "seed": seed,
-                "prompts": n_prompts,
-                "chains": chains if cfg.name == "chain" else None,
-                "trajectories": sum(f.n_trajectories() for f in res.forests),
-                "generated_tokens": total.generated_tokens,
-                "prefill_tokens": total.prefill_tokens,
-                "engine_calls": res.engine_calls,
-                "wall_s": round(res.wall_s, 3),
+                "method": method, "seed": seed, "prompts": n_prompts, "chains": chains if cfg.name == "chain" else None,
+                "trajectories": sum(f.n_trajectories() for f in res.forests), "generated_tokens": total.generated_tokens,
+                "prefill_tokens": total.prefill_tokens, "engine_calls": res.engine_calls, "wall_s": round(res.wall_s, 3),
                 **forest_stats(res.forests),
-            }
+            }  # fmt: skip
             row["correct_per_1k_tokens"] = 1000.0 * row["correct_leaves"] * n_prompts / max(1, row["generated_tokens"])
             if method == "chains_16":
                 per_chain = total.generated_tokens / max(1, row["trajectories"])
@@ -178,21 +168,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         mine = [r for r in rows if r["method"] == method]
         if not mine:
             continue
-        out[method] = {
-            k: statistics.fmean(float(r[k]) for r in mine)
-            for k in (
-                "pass_rate",
-                "distinct_correct",
-                "correct_frac",
-                "correct_leaves",
-                "correct_per_1k_tokens",
-                "mixed_frac",
-                "trajectories",
-                "generated_tokens",
-                "prefill_tokens",
-                "wall_s",
-            )
-        }
+        keys = ("pass_rate", "distinct_correct", "correct_frac", "correct_leaves", "correct_per_1k_tokens", "mixed_frac",
+                "trajectories", "generated_tokens", "prefill_tokens", "wall_s")  # fmt: skip
+        out[method] = {k: statistics.fmean(float(r[k]) for r in mine) for k in keys}
         out[method]["pass_rate_per_seed"] = [r["pass_rate"] for r in mine]  # type: ignore[assignment]
         if mine[0]["chains"] is not None:
             out[method]["chains"] = statistics.fmean(r["chains"] for r in mine)
@@ -230,45 +208,18 @@ def rl_runs(
     out = []
     with tempfile.TemporaryDirectory(prefix="treegrpo-bench-eptree-") as tmp:
         for name, kw in runs:
-            cfg = make_config(
-                {
-                    "task": "arith",
-                    "model": str(model_dir),
-                    "m": m,
-                    "n": n,
-                    "l": l,
-                    "t": t,
-                    "fork_score": "logp",
-                    "steps": steps,
-                    "prompts_per_step": prompts_per_step,
-                    "lr": lr,
-                    "eval_every": 0,
-                    "eval_prompts": eval_prompts,
-                    "save_every": 0,
-                    "dump_rollouts_every": 0,
-                    "tensorboard": False,
-                    "seed": seed,
-                    "threads": threads or 0,
-                    "out_dir": str(Path(tmp) / name.replace("+", "_")),
-                    **kw,
-                }
-            )
+            cfg = make_config({
+                "task": "arith", "model": str(model_dir), "m": m, "n": n, "l": l, "t": t, "fork_score": "logp",
+                "steps": steps, "prompts_per_step": prompts_per_step, "lr": lr, "eval_every": 0,
+                "eval_prompts": eval_prompts, "save_every": 0, "dump_rollouts_every": 0, "tensorboard": False,
+                "seed": seed, "threads": threads or 0, "out_dir": str(Path(tmp) / name.replace("+", "_")), **kw,
+            })  # fmt: skip
             s = train(cfg, console=Console(quiet=True))
-            row = {
-                "name": name,
-                "seed": seed,
-                "sampler": cfg.sampler,
-                "advantage": cfg.estimator,
-                "steps": steps,
-                "prompts_per_step": prompts_per_step,
-                "lr": lr,
-                "eval_start": s.eval_start,
-                "eval_end": s.eval_end,
-                "trajectories": s.trajectories,
-                "generated_tokens": s.generated_tokens,
-                "wall_s": round(s.wall_s, 1),
-            }
-            out.append(row)
+            out.append({
+                "name": name, "seed": seed, "sampler": cfg.sampler, "advantage": cfg.estimator, "steps": steps,
+                "prompts_per_step": prompts_per_step, "lr": lr, "eval_start": s.eval_start, "eval_end": s.eval_end,
+                "trajectories": s.trajectories, "generated_tokens": s.generated_tokens, "wall_s": round(s.wall_s, 1),
+            })  # fmt: skip
             log(
                 f"  RL seed {seed} {name:14s} held-out sampled {s.eval_start.get('eval/success_sampled', float('nan')):.3f} → "
                 f"{s.eval_end.get('eval/success_sampled', float('nan')):.3f} · greedy "
@@ -318,33 +269,24 @@ def verdict(summary: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Two panels: pass rate / distinct correct per method (tokens annotated); RL held-out success."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summary = result["sampling"]["summary"]
     methods = [m for m in METHODS if m in summary]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     x = range(len(methods))
-    ax = axes[0]
-    ax.bar(x, [summary[m]["pass_rate"] for m in methods], color="tab:blue")
+    panels = (
+        ("pass_rate", "tab:blue", "PassRate (≥1 correct leaf)", "pass rate (generated tokens on top)"),
+        ("distinct_correct", "tab:green", "distinct correct responses / prompt", "diversity of correct responses"),
+        ("correct_per_1k_tokens", "tab:purple", "correct leaves / 1k generated tokens", "correct trajectories per token"),
+    )
+    for ax, (key, color, ylabel, title) in zip(axes, panels, strict=False):
+        ax.bar(x, [summary[m][key] for m in methods], color=color)
+        ax.set_xticks(list(x), methods, rotation=20, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
     for i, m in enumerate(methods):
-        ax.text(i, summary[m]["pass_rate"], f"{summary[m]['generated_tokens'] / 1000:.1f}k tok", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), methods, rotation=20, fontsize=8)
-    ax.set_ylabel("PassRate (≥1 correct leaf)")
-    ax.set_ylim(0, 1.1)
-    ax.set_title("pass rate (generated tokens on top)")
-    ax = axes[1]
-    ax.bar(x, [summary[m]["distinct_correct"] for m in methods], color="tab:green")
-    ax.set_xticks(list(x), methods, rotation=20, fontsize=8)
-    ax.set_ylabel("distinct correct responses / prompt")
-    ax.set_title("diversity of correct responses")
-    ax = axes[2]
-    ax.bar(x, [summary[m]["correct_per_1k_tokens"] for m in methods], color="tab:purple")
-    ax.set_xticks(list(x), methods, rotation=20, fontsize=8)
-    ax.set_ylabel("correct leaves / 1k generated tokens")
-    ax.set_title("correct trajectories per token")
+        axes[0].text(i, summary[m]["pass_rate"], f"{summary[m]['generated_tokens'] / 1000:.1f}k tok", ha="center", va="bottom", fontsize=8)
+    axes[0].set_ylim(0, 1.1)
     ax = axes[3]
     rl = result.get("rl", {})
     rsum = rl.get("summary", {})
@@ -364,9 +306,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"EPTree {tuple(result['shape'].values())} vs random forking vs chains — arithmetic, seeds {result['seeds']}",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_bench(
@@ -385,7 +325,6 @@ def run_bench(
 ) -> dict[str, Any]:
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
     from treegrpo.benchmarks.provenance import provenance
-    from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
     from treegrpo.tasks.arith.bootstrap import ensure_arith_bootstrapped
 
@@ -413,39 +352,21 @@ def run_bench(
                 model_dir, rl_seed, rl_steps, rl_prompts_per_step, rl_lr, matched, eval_prompts, shape, threads, log
             )
     result = {
-        "bench": "eptree",
-        "task": "arith",
-        "model": {
-            "folder": str(model_dir),
-            "params": info.get("params"),
-            "warmup_eval": info.get("warmup_eval"),
-            "config_hash": info.get("config_hash"),
-        },
-        "shape": dict(zip("mnlt", shape, strict=True)),
-        "seeds": list(seeds),
-        "prompts": prompts,
-        "split": "train",
-        "sampling": {"rows": rows, "summary": summary, "wall_s": round(t_sampling, 1)},
-        "verdict": verdict(summary),
-        "rl": {
-            "runs": runs,
-            "summary": rl_summary(runs),
-            "seeds": list(rl_seeds),
-            "eval_split": "eval",
-            "eval_prompts": eval_prompts,
-            "chains_group_size": matched,
-        },
+        "bench": "eptree", "task": "arith",
+        "model": {"folder": str(model_dir), **{k: info.get(k) for k in ("params", "warmup_eval", "config_hash")}},
+        "shape": dict(zip("mnlt", shape, strict=True)), "seeds": list(seeds), "prompts": prompts, "split": "train",
+        "sampling": {"rows": rows, "summary": summary, "wall_s": round(t_sampling, 1)}, "verdict": verdict(summary),
+        "rl": {"runs": runs, "summary": rl_summary(runs), "seeds": list(rl_seeds), "eval_split": "eval",
+               "eval_prompts": eval_prompts, "chains_group_size": matched},
         "command": (
             f"treegrpo bench eptree --out {out} --prompts {prompts} --seeds {','.join(map(str, seeds))} "
             f"--rl-steps {rl_steps} --rl-seeds {','.join(map(str, rl_seeds))} "
             f"--rl-prompts-per-step {rl_prompts_per_step} --rl-lr {rl_lr} "
             f"--eval-prompts {eval_prompts} --threads {threads}"
         ),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "provenance": prov,
-    }
+        "wall_s": round(time.perf_counter() - t0, 1), "provenance": prov,
+    }  # fmt: skip
     out = Path(out)
-    atomic_write_text(out, json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    write_result(out, result, plot)
     log(f"bench eptree: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s")
     return result

@@ -1,48 +1,25 @@
 """``treegrpo bench learn``: the paper's budget table in miniature — chain GRPO vs Tree-GRPO trained
-from one starting policy at matched, measured budgets.
+from one starting policy at matched, measured budgets; ``--gigpo``: GiGPO beside them.
 
-From one bootstrapped model per world (``ensure_bootstrapped(preset, world_seed)``), the one trainer
-loop (:func:`treegrpo.train.trainer.train`) runs, for the same number of RL steps on the same
-prompts:
-
-- ``chain`` GRPO at budgets 2 / 4 / 8 / 16 (``G`` chains per prompt; rows carry ``M = G``,
-  ``N = L = 0``, ``advantage = grpo``);
-- ``tree`` Tree-GRPO at the paper's matched shapes (M, N, L) = (1,2,1), (2,2,1), (2,6,1), (4,5,1)
-  (:data:`~treegrpo.rollout.planner.PAPER_PAIRS`) with the official ``random`` picks and the guided
-  pick modes ``nonroot`` and ``entropy`` (``advantage = tree_grpo``: intra-tree + inter-tree);
-- the advantage ablation at budget 4: (2,2,1) ``random`` with ``intra_only`` and ``inter_only``.
-
-``--quick`` keeps budgets 2 and 4 (and the ablation). Every configuration runs once per seed; a
-seed fixes the prompt order (the trainer draws prompts and tree picks from separate streams), so
-the runs of one seed see the same prompts and are compared in pairs. Held-out exact match is
-measured on the world's ``eval`` split — one chain per question, sampled at T=1 and greedy — from
-the evaluation's own RNG stream (:data:`~treegrpo.train.evaluate.EVAL_SEED`), at the start, every
-``eval_every`` steps (``em_curve``: ``[generated tokens so far, sampled EM]``) and at the end.
-``tool_calls_per_traj_start/end`` are the held-out sampled chains' tool calls per trajectory, so
-every mode is measured the same way.
-
-Rows (``rows`` in the JSON) have exactly :data:`ROW_KEYS`; the result is written after every
-finished run, atomically, so an interrupted benchmark keeps what it finished and ``--resume``
-carries on from it. ``targets`` holds the issue's comparisons with pass/fail; ``summary`` the mean
-and spread per configuration; the analysis and the plots live in
-:mod:`treegrpo.benchmarks.learn_report`.
-
-**Regimes** (:data:`REGIMES`): a world preset (its world and its bootstrap recipe, see
-:data:`treegrpo.tasks.world.world.PRESETS`) plus the RL settings. ``default`` is the embedded default
-world and starting policy; see ``benchmarks/README.md`` for the others and why they are built as
-they are.
+What each table runs, how runs are paired and how held-out EM is measured is written once, in
+``benchmarks/README.md`` (sections ``bench learn`` and ``bench learn --gigpo``); the runs, the
+regimes and the row keys are :mod:`.learn_spec`, the analysis :mod:`.learn_report`, the plots and
+tables :mod:`.learn_plots`. This module runs them: one bootstrapped model per world
+(``ensure_bootstrapped(preset, world_seed)``; ``--task sql``: the cached SQL agent), its held-out
+evaluation shared by every run (:func:`start_eval`), every configuration trained by the one
+trainer loop (:func:`treegrpo.train.trainer.train`) in a process of its own (``--jobs``), the
+result JSON rewritten atomically after every finished run so ``--resume`` carries on from it.
+Rows have exactly :data:`ROW_KEYS` (``--gigpo``: :data:`GIGPO_ROW_KEYS`, with GiGPO's anchor
+diagnostic measured on the rollouts each run dumps, :func:`treegrpo.algos.gigpo.shared_anchor_stats`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,157 +28,85 @@ from treegrpo.benchmarks.learn_spec import (
     ABLATION_BUDGET,
     BUDGETS,
     EXPAND_MODES,
+    GIGPO_BUDGETS,
+    GIGPO_ROW_KEYS,
     QUICK_BUDGETS,
+    REGIMES,
     ROW_KEYS,
+    SQL_REGIME,
+    TASKS,
+    Regime,
     RunSpec,
+    plan_gigpo,
+    plan_runs,
     spec_of,
 )
-from treegrpo.rollout.planner import PAPER_PAIRS
+from treegrpo.benchmarks.runner import make_console, option_flags, resume_rows, run_jobs, write_result
+
+_PARTS: dict[tuple[str, str, Any], Any] = {}
 
 
-@dataclass(frozen=True)
-class Regime:
-    """A world preset (world + starting policy) and the RL settings every run of the table uses.
-
-    Attributes:
-        name: the regime's name (``--regime``).
-        preset: world preset (:data:`treegrpo.tasks.world.world.PRESETS`); its bootstrap recipe is
-            :meth:`treegrpo.tasks.world.bootstrap.BootstrapConfig.for_preset`.
-        steps: RL steps of every run.
-        prompts_per_step: prompts per RL step.
-        lr: AdamW learning rate.
-        eval_every: steps between held-out evaluations (the ``em_curve`` points).
-        eval_prompts: held-out questions per evaluation.
-        about: one line on what the regime is for.
-    """
-
-    name: str
-    preset: str
-    steps: int
-    prompts_per_step: int
-    lr: float
-    eval_every: int
-    eval_prompts: int
-    about: str
-
-
-REGIMES: dict[str, Regime] = {
-    r.name: r
-    for r in (
-        Regime(
-            name="default",
-            preset="default",
-            steps=40,
-            prompts_per_step=8,
-            lr=1e-4,
-            eval_every=10,
-            eval_prompts=200,
-            about="the embedded default world and starting policy (answers after one search 80% of the time), "
-            "a slow learning rate so the switch to multi-hop is not finished within the run",
-        ),
-        Regime(
-            name="shortcut3",
-            preset="shortcut3",
-            steps=40,
-            prompts_per_step=8,
-            lr=1e-4,
-            eval_every=10,
-            eval_prompts=400,
-            about="2- and 3-hop questions only; the starting policy answers after one search (sampled success "
-            "about 9%, greedy 0): success hinges on a late choice, to search again",
-        ),
-        Regime(
-            name="rare3",
-            preset="rare3",
-            steps=40,
-            prompts_per_step=8,
-            lr=3e-4,
-            eval_every=10,
-            eval_prompts=400,
-            about="3-hop questions only; the starting policy almost never succeeds (sampled success about 3%, "
-            "greedy 0): most small groups carry no signal at all",
-        ),
-    )
-}
-
-
-
-
-def plan_runs(
-    budgets: Sequence[int],
-    seeds: Sequence[int],
-    world_seeds: Sequence[int],
-    expand_modes: Sequence[str] = EXPAND_MODES,
-    ablation: bool = True,
-) -> list[RunSpec]:
-    """Every run of the table, seeds innermost so paired runs finish close together."""
-    configs: list[tuple[Any, ...]] = []
-    for b in budgets:
-        if b not in PAPER_PAIRS:
-            raise ValueError(f"budget {b} has no paper shape; choose from {sorted(PAPER_PAIRS)}")
-        configs.append(("chain", b, b, 0, 0, None, "grpo"))
-        m, n, l = PAPER_PAIRS[b]
-        configs += [("tree", b, m, n, l, mode, "tree_grpo") for mode in expand_modes]
-        if ablation and b == ABLATION_BUDGET:
-            configs += [("tree", b, m, n, l, "random", adv) for adv in ABLATION]
-    return [RunSpec(*c, seed=s, world_seed=w) for w in world_seeds for c in configs for s in seeds]  # type: ignore[arg-type]
-
-
-# -- running ---------------------------------------------------------------------------------------
-
-_PARTS_CACHE: dict[tuple[str, int], Any] = {}
-
-
-def _base_config(regime: Regime, model_dir: Path, world_seed: int, out_dir: str) -> dict[str, Any]:
+def base_config(task: str, regime: Regime, model_dir: Path, world_seed: int, out_dir: str, dump: int = 0) -> dict[str, Any]:
+    """Every run's config fields but the configuration's own (sampler, shape, advantage, seed);
+    ``dump``: rollouts dumped every so many steps (0: none)."""
+    where = {"preset": regime.preset, "world_seed": world_seed} if task == "search" else {"task": task}
     return {
-        "model": str(model_dir),
-        "preset": regime.preset,
-        "world_seed": world_seed,
-        "steps": regime.steps,
-        "prompts_per_step": regime.prompts_per_step,
-        "lr": regime.lr,
-        "eval_every": regime.eval_every,
-        "eval_prompts": regime.eval_prompts,
-        "eval_sampled": True,
-        "save_every": 0,
-        "dump_rollouts_every": 0,
-        "tensorboard": False,
-        "threads": 1,
-        "out_dir": out_dir,
-    }
+        "model": str(model_dir), **where, "steps": regime.steps, "prompts_per_step": regime.prompts_per_step,
+        "lr": regime.lr, "eval_every": regime.eval_every, "eval_prompts": regime.eval_prompts, "eval_sampled": True,
+        "save_every": 0, "dump_rollouts_every": dump, "tensorboard": False, "threads": 1, "out_dir": out_dir,
+    }  # fmt: skip
 
 
-def _parts(cfg: Any) -> Any:
+def _parts(cfg: Any, cache: dict[tuple[str, str, Any], Any] = _PARTS) -> Any:
     """Run parts with a freshly loaded model; the world, env and questions are built once per
-    process and world."""
+    ``cache`` (default: this process), model, task and world."""
     from treegrpo.models.loader import load_model
     from treegrpo.train.setup import build_run
 
-    key = (str(cfg.model), int(cfg.world_seed))
-    if key not in _PARTS_CACHE:
-        _PARTS_CACHE[key] = build_run(cfg)
-        return _PARTS_CACHE[key]
-    cached = _PARTS_CACHE[key]
+    key = (str(cfg.model), cfg.task, cfg.world_seed)
+    if key not in cache:
+        cache[key] = build_run(cfg)
+        return cache[key]
+    cached = cache[key]
     return dataclasses.replace(cached, model=load_model(cached.model_dir).to(cfg.device))
 
 
-def start_eval(regime: Regime, model_dir: Path, world_seed: int) -> dict[str, float]:
+def start_eval(task: str, regime: Regime, model_dir: Path, world_seed: int) -> dict[str, float]:
     """The starting policy's held-out evaluation (deterministic: every run of the world shares it)."""
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
     from treegrpo.train.config import make_config
     from treegrpo.train.evaluate import evaluate
 
-    cfg = make_config(_base_config(regime, model_dir, world_seed, "unused"))
+    cfg = make_config(base_config(task, regime, model_dir, world_seed, "unused"))
     parts = _parts(cfg)
-    runner = StepRunner(
-        make_engine("hf", parts.model, parts.tokenizer, device=cfg.device), parts.env, parts.tokenizer, parts.agent_cfg
-    )
-    return evaluate(runner, parts.eval_tasks, sampled=True)
+    engine = make_engine("hf", parts.model, parts.tokenizer, device=cfg.device)
+    return evaluate(StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg), parts.eval_tasks, sampled=True)
 
 
-def run_one(spec: RunSpec, regime: Regime, model_dir: Path, eval_start: dict[str, float]) -> dict[str, Any]:
-    """Train one configuration; the row (:data:`ROW_KEYS`)."""
+def train_row(spec: RunSpec, s: Any) -> dict[str, Any]:
+    """A finished run's figures (``s``: the trainer's summary), in :data:`ROW_KEYS` order, and
+    ``em_greedy_start`` after them."""
+    start, end = s.eval_start, s.eval_end
+    return {
+        "mode": spec.mode, "budget": spec.budget, "M": spec.m, "N": spec.n, "L": spec.l,
+        "expand_mode": spec.expand_mode, "advantage": spec.advantage, "seed": spec.seed, "world_seed": spec.world_seed,
+        "em_start": start["eval/success_sampled"], "em_end": end["eval/success_sampled"],
+        "em_greedy_end": end["eval/success_greedy"], "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
+        "generated_tokens": s.generated_tokens, "tool_calls": s.tool_calls, "trajectories": s.trajectories,
+        "tool_calls_per_traj_start": start["eval/tool_calls_sampled"],
+        "tool_calls_per_traj_end": end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
+        "em_greedy_start": start["eval/success_greedy"],
+    }  # fmt: skip
+
+
+def train_one(
+    spec: RunSpec, task: str, regime: Regime, model_dir: Path, eval_start: dict[str, float] | None, gigpo: bool = False,
+    cache: dict[tuple[str, str, Any], Any] = _PARTS,
+) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """Train one configuration (one torch thread, a temporary run folder); the trainer's summary
+    and every figure of its row (:func:`train_row`; with ``gigpo`` the rollouts dumped and GiGPO's
+    anchor diagnostic measured on them)."""
     import torch
     from rich.console import Console
 
@@ -209,208 +114,222 @@ def run_one(spec: RunSpec, regime: Regime, model_dir: Path, eval_start: dict[str
     from treegrpo.train.trainer import train
 
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="treegrpo-bench-learn-") as tmp:
-        cfg = make_config({**_base_config(regime, model_dir, spec.world_seed, tmp), **spec.overrides()})
-        s = train(cfg, console=Console(quiet=True), parts=_parts(cfg), eval_start=eval_start)
-    return {
-        "mode": spec.mode,
-        "budget": spec.budget,
-        "M": spec.m,
-        "N": spec.n,
-        "L": spec.l,
-        "expand_mode": spec.expand_mode,
-        "advantage": spec.advantage,
-        "seed": spec.seed,
-        "world_seed": spec.world_seed,
-        "em_start": s.eval_start["eval/success_sampled"],
-        "em_end": s.eval_end["eval/success_sampled"],
-        "em_greedy_end": s.eval_end["eval/success_greedy"],
-        "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
-        "generated_tokens": s.generated_tokens,
-        "tool_calls": s.tool_calls,
-        "trajectories": s.trajectories,
-        "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
-        "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"],
-        "wall_s": round(s.wall_s, 2),
-    }
+    with tempfile.TemporaryDirectory(prefix=f"treegrpo-bench-{'gigpo' if gigpo else 'learn'}-") as tmp:
+        cfg = make_config({**base_config(task, regime, model_dir, spec.world_seed, tmp, int(gigpo)), **spec.overrides()})
+        s = train(cfg, console=Console(quiet=True), parts=_parts(cfg, cache), eval_start=eval_start)
+        row = train_row(spec, s)
+        if gigpo:
+            from treegrpo.algos.gigpo import shared_anchor_stats
+            from treegrpo.tree import read_forests
+
+            a = shared_anchor_stats([f for p in sorted((Path(tmp) / "rollouts").glob("step_*.jsonl")) for f in read_forests(p)])
+            row.update(task=task, anchor_steps=int(a["steps"]), anchor_shared_frac=a["shared_frac"],
+                       anchor_deep_shared_frac=a["deep_shared_frac"], anchor_group_size=a["group_size"])  # fmt: skip
+    return s, row
 
 
+def run_one(
+    spec: RunSpec, regime: Regime, model_dir: Path, eval_start: dict[str, float], task: str = "search", gigpo: bool = False
+) -> dict[str, Any]:
+    """Train one configuration; its row (:data:`ROW_KEYS`; with ``gigpo`` :data:`GIGPO_ROW_KEYS`)."""
+    _, row = train_one(spec, task, regime, model_dir, eval_start, gigpo)
+    return {k: row[k] for k in (GIGPO_ROW_KEYS if gigpo else ROW_KEYS)}
 
 
-# -- the whole benchmark -----------------------------------------------------------------------------
+def _tuned(reg: Regime, changes: dict[str, Any]) -> Regime:
+    reg = dataclasses.replace(reg, **{k: v for k, v in changes.items() if v is not None})
+    return dataclasses.replace(reg, eval_every=min(reg.eval_every, reg.steps))
+
+
+def _run_table(
+    out: Path, bench: str, title: str, specs: list[RunSpec], rows: list[dict[str, Any]], wall0: float,
+    head: dict[str, Any], analysis: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    job: Callable[[RunSpec], tuple[Any, ...]], line: Callable[[RunSpec, dict[str, Any], int], str],
+    command: str, jobs: int, prov: dict[str, Any], console: Any, progress: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the specs not yet in ``rows`` (``run_one(*job(spec))``, ``jobs`` in parallel), writing
+    the document after every finished run and once complete (JSON and plot). ``wall0``: the
+    ``perf_counter`` the bench's wall time counts from, less the seconds of the kept rows."""
+    from treegrpo.benchmarks.learn_plots import plot, plot_gigpo, print_gigpo_table, print_table
+
+    done = {spec_of(r).key for r in rows}
+    todo = [s for s in specs if s.key not in done]
+    order = {s.key: i for i, s in enumerate(specs)}
+
+    def result_of(complete: bool) -> dict[str, Any]:
+        ordered = sorted(rows, key=lambda r: order.get(spec_of(r).key, 1 << 30))
+        return {
+            "bench": bench, **head, "complete": complete, "rows": ordered, **analysis(ordered), "command": command,
+            "wall_s": round(time.perf_counter() - wall0, 1),  # all sessions of a resumed run
+            "jobs": jobs, "cpu_count": os.cpu_count(), "provenance": prov,
+        }  # fmt: skip
+
+    console.print(title.format(todo=len(todo), all=len(specs)))
+    bar = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+        bar.start()
+        task = bar.add_task("runs", total=len(specs), completed=len(rows))
+
+    def finished(spec: RunSpec, row: dict[str, Any]) -> None:
+        rows.append(row)
+        write_result(out, result_of(False))
+        if bar is not None:
+            bar.advance(task)
+        (bar.console if bar is not None else console).print(line(spec, row, len(rows)))
+
+    try:
+        run_jobs(run_one, [(s, job(s)) for s in todo], jobs, finished)
+    finally:
+        if bar is not None:
+            bar.stop()
+    result = result_of(True)
+    gigpo = bench == "learn_gigpo"
+    write_result(out, result, plot_gigpo if gigpo else plot)
+    (print_gigpo_table if gigpo else print_table)(result, console)
+    name = "bench learn --gigpo" if gigpo else "bench learn"
+    console.print(f"[bold]{name}[/]: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s")
+    return result
 
 
 def run_bench(
-    out: Path,
-    regime: str = "default",
-    quick: bool = False,
-    world_seeds: Sequence[int] | None = None,
-    seeds: int = 3,
-    jobs: int = 2,
-    steps: int | None = None,
-    lr: float | None = None,
-    prompts_per_step: int | None = None,
-    eval_every: int | None = None,
-    expand_modes: Sequence[str] = EXPAND_MODES,
-    budgets: Sequence[int] | None = None,
-    resume: bool = False,
-    console: Any = None,
-) -> dict[str, Any]:
+    out: Path, regime: str = "default", quick: bool = False, world_seeds: Sequence[int] | None = None, seeds: int = 3,
+    jobs: int = 2, steps: int | None = None, lr: float | None = None, prompts_per_step: int | None = None,
+    eval_every: int | None = None, expand_modes: Sequence[str] = EXPAND_MODES, budgets: Sequence[int] | None = None,
+    resume: bool = False, console: Any = None,
+) -> dict[str, Any]:  # fmt: skip
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from treegrpo.benchmarks.learn_report import plot, print_table, summarize, targets
+    from treegrpo.benchmarks.learn_report import summarize, targets
     from treegrpo.benchmarks.provenance import provenance
-    from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
     from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
     from treegrpo.tasks.world.world import get_preset
 
-    console = console or Console(soft_wrap=True, width=None if Console().is_terminal else 150)
+    console = console or make_console()
     if regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; choose one of {sorted(REGIMES)}")
-    reg = REGIMES[regime]
     changes = {"steps": steps, "lr": lr, "prompts_per_step": prompts_per_step, "eval_every": eval_every}
-    reg = dataclasses.replace(reg, **{k: v for k, v in changes.items() if v is not None})
-    reg = dataclasses.replace(reg, eval_every=min(reg.eval_every, reg.steps))
+    reg = _tuned(REGIMES[regime], changes)
     for mode in expand_modes:
         if mode not in EXPAND_MODES:
             raise ValueError(f"unknown expand mode {mode!r}; choose from {list(EXPAND_MODES)}")
     worlds = list(world_seeds) if world_seeds else [get_preset(reg.preset).seed]
-    seed_list = list(range(seeds))
     budgets = tuple(budgets) if budgets else QUICK_BUDGETS if quick else BUDGETS
-    specs = plan_runs(budgets, seed_list, worlds, expand_modes)
+    specs = plan_runs(budgets, list(range(seeds)), worlds, expand_modes)
     t0 = time.perf_counter()
-
     models: dict[int, Path] = {}
     starts: dict[int, dict[str, float]] = {}
     for w in worlds:
-        console.print(
-            f"[bold]bench learn[/] world {w}: starting policy (bootstrapped and cached on first use)"
-        )
+        console.print(f"[bold]bench learn[/] world {w}: starting policy (bootstrapped and cached on first use)")
         models[w] = ensure_bootstrapped(reg.preset, world_seed=w)
-        starts[w] = start_eval(reg, models[w], w)
+        starts[w] = start_eval("search", reg, models[w], w)
         console.print(
             f"  {models[w].name}: held-out sampled {starts[w]['eval/success_sampled']:.3f} · greedy "
             f"{starts[w]['eval/success_greedy']:.3f} · tool calls/traj {starts[w]['eval/tool_calls_sampled']:.2f}"
         )
     meta = {
         "regime": dataclasses.asdict(reg),
-        "models": {
-            str(w): {"folder": str(p), "config_hash": tiny_info(p).get("config_hash")}
-            for w, p in models.items()
-        },
+        "models": {str(w): {"folder": str(p), "config_hash": tiny_info(p).get("config_hash")} for w, p in models.items()},
     }
     prov = provenance(model_dir={str(w): p for w, p in models.items()})
-    rows: list[dict[str, Any]] = []
-    prior_wall = 0.0  # time already spent on the rows kept by --resume
-    if resume and Path(out).is_file():
-        old = json.loads(Path(out).read_text())
-        if {k: old.get(k) for k in meta} == meta:
-            wanted = {s.key for s in specs}
-            rows = [r for r in old.get("rows", []) if spec_of(r).key in wanted]
-            prior_wall = float(old.get("wall_s", 0.0))
-            if rows and "provenance" in old:  # the kept rows were made by that session
-                prov["resumed_from"] = old["provenance"]
-            console.print(f"resuming: {len(rows)} runs already in {out}")
-        else:
-            console.print(f"[yellow]not resuming[/]: {out} was made with another regime or starting policy")
-    done = {spec_of(r).key for r in rows}
-    todo = [s for s in specs if s.key not in done]
+    rows, prior = resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print) if resume else ([], 0.0)
     command = (
         f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''} --world-seed {','.join(map(str, worlds))} "
-        f"--seeds {seeds} --jobs {jobs}"
-        + "".join(f" --{k.replace('_', '-')} {v}" for k, v in changes.items() if v is not None)
+        f"--seeds {seeds} --jobs {jobs}" + option_flags(changes)
         + (f" --expand-modes {','.join(expand_modes)}" if tuple(expand_modes) != EXPAND_MODES else "")
         + (f" --budgets {','.join(map(str, budgets))}" if budgets not in (QUICK_BUDGETS, BUDGETS) else "")
         + f" --out {out}"
-    )
+    )  # fmt: skip
+    head = {**meta, "quick": quick, "budgets": list(budgets), "expand_modes": list(expand_modes),
+            "seeds": list(range(seeds)), "world_seeds": worlds, "start": {str(w): starts[w] for w in worlds}}  # fmt: skip
+    title = (f"[bold]bench learn[/] regime {reg.name}: {{todo}} runs to go ({{all}} in all), "
+             f"{reg.steps} steps × {reg.prompts_per_step} prompts, lr {reg.lr}, {jobs} worker(s)")  # fmt: skip
 
-    def result_of(complete: bool) -> dict[str, Any]:
-        order = {s.key: i for i, s in enumerate(specs)}
-        ordered = sorted(rows, key=lambda r: order.get(spec_of(r).key, 1 << 30))
-        return {
-            "bench": "learn",
-            **meta,
-            "quick": quick,
-            "budgets": list(budgets),
-            "expand_modes": list(expand_modes),
-            "seeds": seed_list,
-            "world_seeds": worlds,
-            "start": {str(w): starts[w] for w in worlds},
-            "complete": complete,
-            "rows": ordered,
-            "summary": summarize(ordered) if ordered else {},
-            "targets": targets(ordered) if ordered else {},
-            "command": command,
-            "wall_s": round(prior_wall + time.perf_counter() - t0, 1),  # all sessions of a resumed run
-            "jobs": jobs,
-            "cpu_count": os.cpu_count(),
-            "provenance": prov,
-        }
+    def line(spec: RunSpec, row: dict[str, Any], n: int) -> str:
+        return (f"  {spec.key:48s} EM {row['em_start']:.3f} → {row['em_end']:.3f} (greedy {row['em_greedy_end']:.3f}) · "
+                f"gen tok {row['generated_tokens']} · tools/traj {row['tool_calls_per_traj_end']:.2f} · {row['wall_s']:.0f}s")  # fmt: skip
 
-    out = Path(out)
+    return _run_table(
+        Path(out), "learn", title, specs, rows, t0 - prior, head,
+        lambda o: {"summary": summarize(o) if o else {}, "targets": targets(o) if o else {}},
+        lambda s: (s, reg, models[s.world_seed], starts[s.world_seed]), line, command, jobs, prov, console, True,
+    )  # fmt: skip
+
+
+def default_out(task: str) -> Path:
+    return Path("benchmarks/results/learn_gigpo.json" if task == "search" else f"benchmarks/results/learn_gigpo_{task}.json")
+
+
+def run_gigpo_bench(
+    out: Path | None = None, task: str = "search", regime: str = "default", seeds: int = 3, jobs: int = 2,
+    steps: int | None = None, lr: float | None = None, prompts_per_step: int | None = None, eval_every: int | None = None,
+    eval_prompts: int | None = None, budgets: Sequence[int] | None = None, resume: bool = False, console: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The whole GiGPO table (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
+    from treegrpo.benchmarks.learn_report import summarize_gigpo
+    from treegrpo.benchmarks.provenance import provenance
+    from treegrpo.models.loader import tiny_info
+
+    console = console or make_console()
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+    if task == "search" and regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; choose one of {sorted(REGIMES)}")
+    changes = {"steps": steps, "lr": lr, "prompts_per_step": prompts_per_step, "eval_every": eval_every,
+               "eval_prompts": eval_prompts}  # fmt: skip
+    reg = _tuned(REGIMES[regime] if task == "search" else SQL_REGIME, changes)
+    budgets = tuple(budgets) if budgets else GIGPO_BUDGETS
+    out = Path(out) if out is not None else default_out(task)
+    t0 = time.perf_counter()
+    if task == "search":
+        from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
+        from treegrpo.tasks.world.world import get_preset
+
+        world = get_preset(reg.preset).seed
+        model_dir = ensure_bootstrapped(reg.preset, world_seed=world)
+    else:
+        from treegrpo.tasks.sql.bootstrap import ensure_sql_bootstrapped
+
+        world, model_dir = 0, ensure_sql_bootstrapped()
+    specs = plan_gigpo(budgets, list(range(seeds)), world)
+    start = start_eval(task, reg, model_dir, world)
     console.print(
-        f"[bold]bench learn[/] regime {reg.name}: {len(todo)} runs to go ({len(specs)} in all), "
-        f"{reg.steps} steps × {reg.prompts_per_step} prompts, lr {reg.lr}, {jobs} worker(s)"
+        f"[bold]bench learn --gigpo[/] task {task}: {model_dir.name}: held-out sampled {start['eval/success_sampled']:.3f} · "
+        f"greedy {start['eval/success_greedy']:.3f}"
     )
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    with progress:
-        bar = progress.add_task("runs", total=len(specs), completed=len(rows))
+    meta = {"task": task, "regime": dataclasses.asdict(reg),
+            "model": {"folder": str(model_dir), "config_hash": tiny_info(model_dir).get("config_hash")}}  # fmt: skip
+    prov = provenance(model_dir={"0": model_dir})
+    rows, prior = (
+        resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print,
+                    "task, regime or starting policy")
+        if resume else ([], 0.0)
+    )  # fmt: skip
+    command = (
+        f"treegrpo bench learn --gigpo --task {task}" + (f" --regime {regime}" if task == "search" else "")
+        + f" --seeds {seeds} --jobs {jobs}" + option_flags(changes)
+        + (f" --budgets {','.join(map(str, budgets))}" if budgets != GIGPO_BUDGETS else "") + f" --out {out}"
+    )  # fmt: skip
+    head = {**meta, "budgets": list(budgets), "seeds": list(range(seeds)), "world_seeds": [world], "start": start}
+    title = (f"[bold]bench learn --gigpo[/] {task}: {{todo}} runs to go ({{all}} in all), {reg.steps} steps × "
+             f"{reg.prompts_per_step} prompts, lr {reg.lr}, eval {reg.eval_prompts} every {reg.eval_every}, {jobs} worker(s)")  # fmt: skip
 
-        def finished(spec: RunSpec, row: dict[str, Any]) -> None:
-            rows.append(row)
-            atomic_write_text(out, json.dumps(result_of(False), indent=1))
-            progress.advance(bar)
-            progress.console.print(
-                f"  {spec.key:48s} EM {row['em_start']:.3f} → {row['em_end']:.3f} (greedy {row['em_greedy_end']:.3f}) · "
-                f"gen tok {row['generated_tokens']} · tools/traj {row['tool_calls_per_traj_end']:.2f} · {row['wall_s']:.0f}s"
-            )
+    def line(spec: RunSpec, row: dict[str, Any], n: int) -> str:
+        return (f"  [{n}/{len(specs)}] {spec.key:52s} EM {row['em_start']:.3f} → {row['em_end']:.3f} "
+                f"(greedy {row['em_greedy_end']:.3f}) · shared anchors {row['anchor_shared_frac']:.2f} "
+                f"(after the first step {row['anchor_deep_shared_frac']:.2f}) · {row['wall_s']:.0f}s")  # fmt: skip
 
-        if jobs <= 1:
-            for spec in todo:
-                finished(spec, run_one(spec, reg, models[spec.world_seed], starts[spec.world_seed]))
-        else:
-            import multiprocessing as mp
-
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-                pending: dict[Future[dict[str, Any]], RunSpec] = {
-                    pool.submit(run_one, s, reg, models[s.world_seed], starts[s.world_seed]): s for s in todo
-                }
-                while pending:
-                    ready, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in ready:
-                        finished(pending.pop(fut), fut.result())
-    result = result_of(True)
-    atomic_write_text(out, json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
-    print_table(result, console)
-    console.print(
-        f"[bold]bench learn[/]: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s"
-    )
-    return result
+    return _run_table(
+        out, "learn_gigpo", title, specs, rows, t0 - prior, head,
+        lambda o: summarize_gigpo(o) if o else {"summary": {}, "compare": {}},
+        lambda s: (s, reg, model_dir, start, task, True), line, command, jobs, prov, console, False,
+    )  # fmt: skip
 
 
 __all__ = [
-    "ABLATION",
-    "ABLATION_BUDGET",
-    "BUDGETS",
-    "EXPAND_MODES",
-    "QUICK_BUDGETS",
-    "REGIMES",
-    "ROW_KEYS",
-    "Regime",
-    "RunSpec",
-    "plan_runs",
-    "run_bench",
-    "run_one",
-    "spec_of",
-    "start_eval",
-]
+    "ABLATION", "ABLATION_BUDGET", "BUDGETS", "EXPAND_MODES", "GIGPO_BUDGETS", "GIGPO_ROW_KEYS", "QUICK_BUDGETS",
+    "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "default_out", "plan_gigpo", "plan_runs",
+    "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval", "train_one", "train_row",
+]  # fmt: skip

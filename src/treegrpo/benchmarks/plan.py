@@ -12,7 +12,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from treegrpo.benchmarks.budget import AgentParts, RunSpec, load_agent, run_once, torch_threads
+from treegrpo.benchmarks.budget import AgentParts, RunSpec, load_agent, run_once
+from treegrpo.benchmarks.runner import torch_threads
 from treegrpo.rollout.planner import Plan
 
 

@@ -16,7 +16,7 @@ from treegrpo.errors import ConfigError
 
 
 def _budget(doc: dict[str, Any], png: Path) -> None:
-    from treegrpo.benchmarks.budget import plot
+    from treegrpo.benchmarks.budget_report import plot
 
     plot(doc["rows"], png)
 
@@ -34,15 +34,15 @@ def _eptree(doc: dict[str, Any], png: Path) -> None:
 
 
 def _learn(doc: dict[str, Any], png: Path) -> None:
-    from treegrpo.benchmarks.learn_report import plot
+    from treegrpo.benchmarks.learn_plots import plot
 
     plot(doc, png)
 
 
 def _learn_gigpo(doc: dict[str, Any], png: Path) -> None:
-    from treegrpo.benchmarks.learn_gigpo_report import plot
+    from treegrpo.benchmarks.learn_plots import plot_gigpo
 
-    plot(doc, png)
+    plot_gigpo(doc, png)
 
 
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], None]] = {

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.runner import write_result
 from treegrpo.retrieval.client import HTTPRetriever
 from treegrpo.retrieval.server import LOOPBACK, free_port
 
@@ -365,8 +366,6 @@ def run(
     result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     if out is not None:
-        from treegrpo.io import atomic_write_text
-
-        atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+        write_result(out, result, newline=True)
         log(f"wrote {out}")
     return result

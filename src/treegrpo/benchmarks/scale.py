@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
+
 KEYS = (
     "time/rollout_cpu_s",
     "time/update_cpu_s",
@@ -43,13 +45,7 @@ def measure(
     cmd = [sys.executable, "-m", "treegrpo", "train", "--steps", str(steps), "--out-dir", str(out_dir)]
     cmd += ["--model", model] if model else []
     cmd += ["--nproc", str(world)] if world > 1 else []
-    for kv in (
-        "threads=1",
-        "eval_prompts=8",
-        "eval_sampled=false",
-        "dump_rollouts_every=0",
-        "tensorboard=false",
-    ):
+    for kv in ("threads=1", "eval_prompts=8", "eval_sampled=false", "dump_rollouts_every=0", "tensorboard=false"):
         cmd += ["--set", kv]
     cmd += list(extra)
     log(f"scale: {world} process(es): {' '.join(cmd[1:])}")
@@ -94,8 +90,7 @@ def run_bench(
             for w, m in per_world.items()
         },
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
+    write_result(out, result, plot, indent=2, newline=True)
     for w, m in result["worlds"].items():
         eff = m["efficiency"]
         log(
@@ -112,11 +107,7 @@ def run_bench(
 
 def plot(result: dict[str, Any], png: Path) -> None:
     """Stacked bars: CPU seconds per step of the slowest rank (rollout, update) per world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     worlds = list(result["worlds"])
     roll = [result["worlds"][w]["time/rollout_cpu_s"] for w in worlds]
     upd = [result["worlds"][w]["time/update_cpu_s"] for w in worlds]
@@ -138,6 +129,4 @@ def plot(result: dict[str, Any], png: Path) -> None:
     ax.set_ylabel("CPU s per step, slowest rank")
     ax.set_title("treegrpo bench scale: data-parallel training")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)

@@ -22,17 +22,18 @@ model and the commit.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from treegrpo.benchmarks.learn import plan_runs
+from treegrpo.benchmarks.learn import train_one
 from treegrpo.benchmarks.learn_report import compare, summarize
+from treegrpo.benchmarks.learn_spec import ROW_KEYS as LEARN_ROW_KEYS
+from treegrpo.benchmarks.learn_spec import Regime, plan_runs
+from treegrpo.benchmarks.provenance import source_commit
+from treegrpo.benchmarks.runner import write_result
 from treegrpo.benchmarks.stateful_exact import check_exactness, expansion_cost, grow, random_sql_action
 from treegrpo.tasks.kv.env import KVEnv, kv_tasks, random_kv_action
 from treegrpo.tasks.sql.env import SqlEnv
@@ -46,15 +47,6 @@ CHECK_LIMITS = SqlLimits(vm_steps=20_000)
 #: Spare-connection pools of the whole-rollout timing: the env's default, and one large enough to
 #: hold every snapshot of a rollout (then no snapshot or restore opens a new connection).
 POOL_SIZES = (SqlEnv.pool_size, 2048)
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def cost_part(repeats: int, rollout_prompts: int, rollout_repeats: int = 5) -> dict[str, Any]:
@@ -111,53 +103,27 @@ def exactness_part(n_sql: int, n_kv: int) -> dict[str, Any]:
     }
 
 
+#: The keys of a learning row: ``bench learn``'s, the greedy start beside the greedy end.
+ROW_KEYS: tuple[str, ...] = (*LEARN_ROW_KEYS[:11], "em_greedy_start", *LEARN_ROW_KEYS[11:])
+
+
 def learn_part(
     budgets: list[int], seeds: int, steps: int, prompts_per_step: int, lr: float, eval_prompts: int, log: Any,
     model_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Chain vs tree training runs on ``--task sql`` (module docstring, part 3) from ``model_dir``
-    (default: the cached tiny SQL agent, bootstrapped on first use)."""
-    import dataclasses
-
-    import torch
-    from rich.console import Console
-
-    from treegrpo.models.loader import load_model
+    (default: the cached tiny SQL agent, bootstrapped on first use), one after the other."""
     from treegrpo.tasks.sql.bootstrap import ensure_sql_bootstrapped
-    from treegrpo.train.config import make_config
-    from treegrpo.train.setup import build_run
-    from treegrpo.train.trainer import train
 
-    torch.set_num_threads(1)
     model_dir = Path(model_dir) if model_dir is not None else ensure_sql_bootstrapped()
+    regime = Regime("stateful", "", steps, prompts_per_step, lr, steps, eval_prompts, "")
     specs = plan_runs(budgets, list(range(seeds)), [0], expand_modes=("random",), ablation=False)
     rows: list[dict[str, Any]] = []
-    parts = None
-    eval_start = None
+    eval_start, parts = None, {}  # type: ignore[var-annotated]
     for spec in specs:
-        with tempfile.TemporaryDirectory(prefix="treegrpo-bench-stateful-") as tmp:
-            base = {
-                "task": "sql", "model": str(model_dir), "steps": steps, "prompts_per_step": prompts_per_step,
-                "lr": lr, "eval_every": steps, "eval_prompts": eval_prompts, "eval_sampled": True, "save_every": 0,
-                "dump_rollouts_every": 0, "tensorboard": False, "threads": 1, "out_dir": tmp,
-            }  # fmt: skip
-            cfg = make_config({**base, **spec.overrides()})
-            if parts is None:
-                parts = build_run(cfg)
-            else:
-                parts = dataclasses.replace(parts, model=load_model(parts.model_dir).to(cfg.device))
-            s = train(cfg, console=Console(quiet=True), parts=parts, eval_start=eval_start)
+        s, full = train_one(spec, "sql", regime, model_dir, eval_start, cache=parts)
         eval_start = s.eval_start  # deterministic: every run of the model shares it
-        row = {
-            "mode": spec.mode, "budget": spec.budget, "M": spec.m, "N": spec.n, "L": spec.l,
-            "expand_mode": spec.expand_mode, "advantage": spec.advantage, "seed": spec.seed, "world_seed": 0,
-            "em_start": s.eval_start["eval/success_sampled"], "em_end": s.eval_end["eval/success_sampled"],
-            "em_greedy_start": s.eval_start["eval/success_greedy"], "em_greedy_end": s.eval_end["eval/success_greedy"],
-            "em_curve": [[int(t), float(e)] for t, e in s.em_curve], "generated_tokens": s.generated_tokens,
-            "tool_calls": s.tool_calls, "trajectories": s.trajectories,
-            "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
-            "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
-        }  # fmt: skip
+        row = {k: full[k] for k in ROW_KEYS}
         rows.append(row)
         log(
             f"  {spec.key:36s} EM {row['em_start']:.3f} → {row['em_end']:.3f} (greedy {row['em_greedy_end']:.3f}) · "
@@ -187,7 +153,6 @@ def run_bench(
     """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``.
     ``model_dir``: the starting policy of the learning part (default: the cached tiny SQL agent)."""
     from treegrpo.benchmarks.stateful_report import plot, table
-    from treegrpo.io import atomic_write_text
     from treegrpo.models.loader import tiny_info
 
     t0 = time.perf_counter()
@@ -211,7 +176,7 @@ def run_bench(
     result: dict[str, Any] = {
         "bench": "stateful",
         "command": command,
-        "commit": _commit(),
+        "commit": source_commit()[0],
         "quick": quick,
         "model": None if learn is None else {"folder": learn["model"], "config_hash": tiny_info(learn["model"]).get("config_hash")},
         "settings": {"seeds": seeds, "steps": steps, "prompts_per_step": prompts_per_step, "lr": lr, "eval_prompts": eval_prompts, "repeats": repeats},
@@ -224,9 +189,7 @@ def run_bench(
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    write_result(out, result, plot)
     for line in table(result):
         log(line)
     log(f"[bench stateful] wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s")

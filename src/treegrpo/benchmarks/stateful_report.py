@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.runner import pyplot, save_figure
+
 
 def table(result: dict[str, Any]) -> list[str]:
     """The headline figures as plain lines."""
@@ -42,11 +44,7 @@ def table(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Three panels: ms per expansion vs depth, exactness, held-out EM start → end per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     depths = result["cost"]["depths"]
     xs = [d["depth"] for d in depths]
@@ -83,9 +81,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.text(0.5, 0.5, "learning part skipped", ha="center")
         ax.set_axis_off()
     fig.suptitle(f"bench stateful{' (quick)' if result.get('quick') else ''} · commit {str(result.get('commit'))[:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 __all__ = ["plot", "table"]

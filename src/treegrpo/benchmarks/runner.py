@@ -1,0 +1,189 @@
+"""The plumbing every ``treegrpo bench …`` shares: run configurations in their own processes and
+collect their rows, carry on from an earlier result (``--resume``: the rows of the result JSON, or
+a finished run's own ``done`` file in a work folder), write the result JSON atomically and draw its
+figure, set torch's threads meanwhile.
+
+A bench keeps only what it measures and how it reads the measurements; the runner knows nothing
+about any bench (it imports none of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from treegrpo.io import atomic_write_text
+
+Log = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A rollout configuration matched to a chain budget: ``mode`` (``chain`` / ``tree``),
+    ``budget`` (chains per prompt it is matched to), ``m`` initial chains per prompt (for ``chain``
+    the group size ``G``), ``n`` expansions per tree per round and ``l`` rounds (0 for ``chain``),
+    ``expand_mode`` the tree sampler's pick rule (``None`` for ``chain``)."""
+
+    mode: Literal["chain", "tree"]
+    budget: int
+    m: int
+    n: int
+    l: int
+    expand_mode: str | None
+
+
+def make_console(width: int = 150) -> Any:
+    """A rich console, ``width`` columns wide when the output is not a terminal (a pipe or a file:
+    tables are not squeezed into 80 columns)."""
+    from rich.console import Console
+
+    return Console(soft_wrap=True, width=None if Console().is_terminal else width)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` meanwhile, restored after (``None`` / 0: left)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_jobs(
+    fn: Callable[..., dict[str, Any]],
+    jobs: Sequence[tuple[Any, tuple[Any, ...]]],
+    workers: int,
+    done: Callable[[Any, dict[str, Any]], None],
+) -> None:
+    """Call ``fn(*args)`` for every ``(key, args)`` of ``jobs`` and ``done(key, row)`` as each
+    finishes: in this process one after the other when ``workers <= 1``, else in ``workers`` fresh
+    (spawned) processes, rows handed over as they come."""
+    if workers <= 1:
+        for key, args in jobs:
+            done(key, fn(*args))
+        return
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        pending: dict[Future[dict[str, Any]], Any] = {pool.submit(fn, *args): key for key, args in jobs}
+        while pending:
+            ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in ready:
+                done(pending.pop(fut), fut.result())
+
+
+def resume_rows(
+    out: Path,
+    meta: dict[str, Any],
+    wanted: Iterable[Hashable],
+    key_of: Callable[[dict[str, Any]], Hashable],
+    prov: dict[str, Any],
+    log: Log,
+    what: str = "regime or starting policy",
+) -> tuple[list[dict[str, Any]], float]:
+    """The rows of an earlier result ``out`` to keep: those whose key is ``wanted``, when ``out``
+    was made with the same ``meta`` (every key of it equal); with the wall seconds already spent
+    on them. ``prov`` gets ``resumed_from`` (the earlier provenance) when rows are kept."""
+    if not Path(out).is_file():
+        return [], 0.0
+    old = json.loads(Path(out).read_text())
+    if {k: old.get(k) for k in meta} != meta:
+        log(f"[yellow]not resuming[/]: {out} was made with another {what}")
+        return [], 0.0
+    keep = set(wanted)
+    rows = [r for r in old.get("rows", []) if key_of(r) in keep]
+    if rows and "provenance" in old:  # the kept rows were made by that session
+        prov["resumed_from"] = old["provenance"]
+    log(f"resuming: {len(rows)} runs already in {out}")
+    return rows, float(old.get("wall_s", 0.0))
+
+
+def finished_row(done: Path, key: Any, field: str = "key") -> dict[str, Any] | None:
+    """The row a run left in its ``done`` file (``{field: key, "row": row}``, :func:`keep_row`)
+    when it was made with the same ``key``; ``None`` when there is none or it was made otherwise."""
+    if Path(done).is_file() and (prev := json.loads(Path(done).read_text())).get(field) == key:
+        return prev["row"]
+    return None
+
+
+def keep_row(done: Path, key: Any, row: dict[str, Any], field: str = "key") -> None:
+    """Record a finished run's ``row`` with the ``key`` it was made with (atomically), so a later
+    session can take it over (:func:`finished_row`) instead of running it again."""
+    atomic_write_text(Path(done), json.dumps({field: key, "row": row}, indent=1))
+
+
+def write_result(
+    out: Path,
+    doc: dict[str, Any],
+    plot: Callable[[Any, Path], None] | None = None,
+    plot_of: Callable[[dict[str, Any]], Any] | None = None,
+    indent: int = 1,
+    newline: bool = False,
+) -> Path:
+    """Write ``doc`` to ``out`` as JSON, atomically (an interrupted write leaves the old file), and
+    when ``plot`` is given draw ``plot(plot_of(doc) or doc, png)`` beside it; returns the PNG path."""
+    out = Path(out)
+    atomic_write_text(out, json.dumps(doc, indent=indent) + ("\n" if newline else ""))
+    png = out.with_suffix(".png")
+    if plot is not None:
+        plot(doc if plot_of is None else plot_of(doc), png)
+    return png
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, png: Path, dpi: int = 110) -> None:
+    """Lay ``fig`` out, write it to ``png`` and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(png, dpi=dpi)
+    plt.close(fig)
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Mean, min, max, sample standard deviation (0 for one value) and count."""
+    v = list(values)
+    std = statistics.stdev(v) if len(v) > 1 else 0.0
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "std": std, "n": len(v)}
+
+
+def option_flags(values: dict[str, Any]) -> str:
+    """`` --name value`` for every set (not ``None``) value, underscores as dashes."""
+    return "".join(f" --{k.replace('_', '-')} {v}" for k, v in values.items() if v is not None)
+
+
+__all__ = [
+    "Log",
+    "Shape",
+    "finished_row",
+    "keep_row",
+    "make_console",
+    "option_flags",
+    "pyplot",
+    "resume_rows",
+    "run_jobs",
+    "save_figure",
+    "spread",
+    "torch_threads",
+    "write_result",
+]
