@@ -11,40 +11,45 @@ from typing import Any
 import pytest
 
 from treegrpo.benchmarks.learn_spec import ROW_KEYS
-from treegrpo.benchmarks.real_table import EXTRA_KEYS, TableSpec, paired, run_table
+from treegrpo.benchmarks.real_table import EXTRA_KEYS, TableSpec, paired, run_folder, run_table
 from treegrpo.errors import ConfigError
 
-LIMITS = {"max_turns": 1, "max_step_tokens": 128, "max_obs_tokens": 200, "max_context_tokens": 1024}
+LIMITS = {"max_turns": 1, "max_step_tokens": 16, "max_obs_tokens": 64, "max_context_tokens": 512}
 
 
 def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
     spec = TableSpec(
-        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0, 1), steps=1, prompts_per_step=1, eval_prompts=2,
+        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=1, prompts_per_step=1, eval_prompts=2,
         overrides=LIMITS,
     )  # fmt: skip
     out, said = tmp_path / "table.json", []
     res = run_table(spec, tmp_path / "work", out, said.append)
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and out.with_suffix(".png").stat().st_size > 0
     rows = res["rows"]
-    assert [(r["mode"], r["seed"], r["M"], r["N"], r["L"]) for r in rows] == [
-        ("chain", 0, 2, 0, 0), ("tree", 0, 1, 2, 1), ("chain", 1, 2, 0, 0), ("tree", 1, 1, 2, 1),
-    ]  # fmt: skip
+    assert [(r["mode"], r["seed"], r["M"], r["N"], r["L"]) for r in rows] == [("chain", 0, 2, 0, 0), ("tree", 0, 1, 2, 1)]
     assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
     assert len(res["eval_ids"]) == 2 and all(r["eval_prompts"] == 2 for r in rows)
-    for chain, tree in (rows[0:2], rows[2:4]):  # a pair: the same prompts, the same start
-        assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 1
-        assert chain["em_start"] == tree["em_start"] == res["eval_start"]["eval/success_sampled"]
-        assert chain["trajectories"] == 2 and tree["trajectories"] >= 2 and chain["generated_tokens"] > 0
-    pair = res["paired"]["2"]["pairs"][1]
-    assert pair["seed"] == 1 and pair["diff_sampled"] == rows[3]["em_end"] - rows[2]["em_end"]
-    assert pair["generated_tokens_ratio"] == rows[3]["generated_tokens"] / rows[2]["generated_tokens"]
+    chain, tree = rows  # a pair: the same prompts, the same start
+    assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 1
+    assert chain["em_start"] == tree["em_start"] == res["eval_start"]["eval/success_sampled"]
+    assert chain["trajectories"] == 2 and tree["trajectories"] >= 2 and chain["generated_tokens"] > 0
+    pair = res["paired"]["2"]["pairs"][0]
+    assert pair["seed"] == 0 and pair["diff_sampled"] == tree["em_end"] - chain["em_end"]
+    assert pair["generated_tokens_ratio"] == tree["generated_tokens"] / chain["generated_tokens"]
     said.clear()  # resumed: every run and the start evaluation are reused
     again = run_table(spec, tmp_path / "work", out, said.append)
     assert again["rows"] == rows and said[0].startswith("start evaluation: reusing") and len(said) == 2
-    longer = TableSpec(**{**spec.__dict__, "seeds": (0,), "steps": 2})  # another setting: a new run, not a reuse
-    said.clear()
-    res2 = run_table(longer, tmp_path / "work", tmp_path / "t2.json", said.append)
-    assert sum(": 2 steps" in m for m in said) == 2 and {r["run_dir"] for r in res2["rows"]}.isdisjoint(r["run_dir"] for r in rows)
+    assert [Path(r["run_dir"]) for r in rows] == [run_folder(spec, r, tmp_path / "work") for r in spec.runs()]
+
+
+def test_another_setting_is_another_run_folder(tmp_path: Path) -> None:
+    spec = TableSpec(model="m", budgets=(2, 4), seeds=(0, 1))
+    folders = {run_folder(spec, r, tmp_path) for r in spec.runs()}
+    assert len(folders) == 8  # every run of the table has its own folder
+    for change in ({"steps": 5}, {"lr": 2e-5}, {"overrides": {"lora_rank": 8}}, {"model": "other"}):
+        other = TableSpec(**{**spec.__dict__, **change})
+        assert folders.isdisjoint(run_folder(other, r, tmp_path) for r in other.runs()), change
+    assert folders == {run_folder(TableSpec(**spec.__dict__), r, tmp_path) for r in spec.runs()}
 
 
 def _row(mode: str, seed: int, em: float, greedy: float, tokens: int, ids: list[str]) -> dict[str, Any]:

@@ -157,6 +157,11 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     return done
 
 
+def run_folder(spec: TableSpec, run: RunSpec, work: Path) -> Path:
+    """The run's folder: its label, seed and a digest of every setting (another setting, another folder)."""
+    return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{_digest(spec.config(run, ''))}"
+
+
 def run_one(
     spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], log: Log
 ) -> dict[str, Any]:
@@ -164,8 +169,7 @@ def run_one(
     from treegrpo.train.config import TrainConfig
     from treegrpo.train.trainer import TrainSummary, train
 
-    settings = spec.config(run, "")
-    run_dir = work / "runs" / f"{_slug(run.label)}-s{run.seed}-{_digest(settings)}"
+    run_dir = run_folder(spec, run, work)
     summary = TrainSummary.read(run_dir / "summary.json")
     if summary is None or summary.steps < spec.steps:
         log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
