@@ -25,13 +25,13 @@ trainer's taken before any optimizer step (a check that rollout and training agr
 Log-probs and entropies are read from the model with ``cfg.logprob_chunk_tokens``
 (:func:`~treegrpo.train.logprobs.model_logprobs`: the full-vocabulary log-softmax a chunk of
 positions at a time, also under autograd). The reference policy is a frozen model or, with LoRA,
-the policy itself with its adapter disabled (:func:`with_reference`).
+the policy itself with its adapter disabled (:func:`~treegrpo.train.policy.with_reference`).
 
 Both implementations split the batch's paths into ``cfg.mini_batches`` contiguous chunks in
 ``forest_sequences`` order (whole forests stay together, so packing keeps its sharing) and take one
 optimizer step per chunk; for a given configuration they compute the same update.
 
-Data parallel (``par``, :mod:`treegrpo.train.distributed`): each rank holds its own forests; the
+Data parallel (the policy's ``parallel``, :mod:`treegrpo.train.distributed`): each rank holds its own forests; the
 mini-batches are those of one process holding all of them, normalised by all-reduced
 :class:`~treegrpo.algos.losses.LossNormalizers`, with gradients summed across ranks, the same
 number of micro-batches on every rank (empty ones of weight 0 where a rank has fewer) and one
@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 
 from treegrpo.algos.losses import LossConfig, LossNormalizers, compute_loss
-from treegrpo.models.lora import AdapterDisabled
 from treegrpo.train.batching import (
     TrainSequence,
     collate,
@@ -62,23 +60,10 @@ from treegrpo.train.packing.forward import attention_pair_cost, packed_logprobs
 from treegrpo.train.packing.layout import PackedBatch, empty_batch, pack_forests
 from treegrpo.train.packing.loss import packed_loss
 from treegrpo.train.packing.probe import _PACKING_CHECKED, packing_supported, wants_packing  # noqa: F401
+from treegrpo.train.policy import Policy, with_reference
 from treegrpo.tree import Forest
 
 _log = logging.getLogger("treegrpo.train")
-
-Reference = torch.nn.Module | AdapterDisabled
-"""The KL reference policy: a frozen model, or (LoRA) the policy with its adapter disabled."""
-
-_T = TypeVar("_T")
-
-
-def with_reference(ref: Reference, fn: Callable[[torch.nn.Module], _T]) -> _T:
-    """``fn(module)`` for the reference policy: a LoRA reference runs inside
-    ``model.disable_adapter()``, a frozen model as it is."""
-    if isinstance(ref, AdapterDisabled):
-        with ref.active() as module:
-            return fn(module)
-    return fn(ref)
 
 
 def chunk_tokens(cfg: TrainConfig) -> int | None:
@@ -89,8 +74,7 @@ def chunk_tokens(cfg: TrainConfig) -> int | None:
 
 
 def update(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
@@ -98,14 +82,13 @@ def update(
     loss_cfg: LossConfig,
     pad_id: int,
     log: Callable[[str], object] | None = None,
-    par: Parallel = SINGLE,
 ) -> dict[str, float]:
     """One PPO update on a rollout batch: packed or per path (see the module docstring).
 
     Args:
-        model: the policy (trained in place).
-        ref_model: the frozen reference policy, an :class:`~treegrpo.models.lora.AdapterDisabled`
-            view of a LoRA policy, or ``None`` for no KL term.
+        policy: the policy (its model trained in place), with its KL reference (a frozen model,
+            an :class:`~treegrpo.models.lora.AdapterDisabled` view of a LoRA policy, or ``None``
+            for no KL term) and its data parallelism (this rank's ``forests``).
         optimizer: steps once per mini-batch.
         forests: the batch's forests.
         advantages: per forest, per path, per token (``token_advantages`` output).
@@ -114,15 +97,15 @@ def update(
         loss_cfg: the loss options.
         pad_id: padding token id.
         log: where the one-line packing fallback notice goes (default: the ``treegrpo.train`` logger).
-        par: data parallelism (this rank's ``forests``; default one process).
 
     Returns:
         metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0) and
         ``rollout/logprob_diff``.
     """
     strict = cfg.packing == "on"
+    par = policy.parallel
     packed = wants_packing(cfg, loss_cfg) and packing_supported(
-        par.local_module(model),
+        policy.local_module(),
         forests,
         pad_id,
         cfg.device,
@@ -137,15 +120,11 @@ def update(
     counts = par.gather([f.n_trajectories() for f in forests])
     selects = minibatch_selects(counts, par.rank, cfg.mini_batches)
     if packed:
-        metrics = update_packed(
-            model, ref_model, optimizer, forests, advantages, cfg, loss_cfg, pad_id, par, selects
-        )
+        metrics = update_packed(policy, optimizer, forests, advantages, cfg, loss_cfg, pad_id, selects)
         metrics["update/packed"] = 1.0
     else:
         seqs = forest_sequences(forests, advantages)
-        metrics = update_paths(
-            model, ref_model, optimizer, seqs, cfg, loss_cfg, pad_id, par, _flat(forests, selects)
-        )
+        metrics = update_paths(policy, optimizer, seqs, cfg, loss_cfg, pad_id, _flat(forests, selects))
         metrics["update/packed"] = 0.0
     return metrics
 
@@ -163,15 +142,13 @@ def _flat(forests: Sequence[Forest], selects: list[list[list[int]]]) -> list[lis
 
 
 def update_packed(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
     cfg: TrainConfig,
     loss_cfg: LossConfig,
     pad_id: int,
-    par: Parallel = SINGLE,
     selects: list[list[list[int]]] | None = None,
 ) -> dict[str, float]:
     """PPO update on packed rows: one optimizer step per mini-batch, its loss accumulated over
@@ -182,6 +159,7 @@ def update_packed(
     (:func:`~treegrpo.train.packing.forward.attention_pair_cost`,
     :func:`~treegrpo.train.packing.rows.split_rows`). ``selects``: per mini-batch, per forest,
     its paths (default: ``cfg.mini_batches`` contiguous chunks of all paths)."""
+    model, ref_model, par = policy.model, policy.reference, policy.parallel
     model.train()
     if selects is None:
         selects = minibatch_selects([[f.n_trajectories() for f in forests]], 0, cfg.mini_batches)
@@ -229,7 +207,7 @@ def update_packed(
     tokens_paths = tokens_packed = 0
     diff_sum = diff_count = 0.0
     ratio_maxes: list[float] = []
-    grad_model = par.grad_module(model)
+    grad_model = policy.grad_module()
 
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value / n
@@ -240,7 +218,7 @@ def update_packed(
         ratio_max = 0.0
         for j, mb in enumerate(plan):
             mb = mb.to(cfg.device)
-            with par.sync(last=j == len(plan) - 1):
+            with policy.sync(last=j == len(plan) - 1):
                 lp, ent = packed_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
@@ -304,14 +282,12 @@ def _plan_logprobs(
 
 
 def update_paths(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     seqs: Sequence[TrainSequence],
     cfg: TrainConfig,
     loss_cfg: LossConfig,
     pad_id: int,
-    par: Parallel = SINGLE,
     minis: list[list[int]] | None = None,
 ) -> dict[str, float]:
     """PPO-clip over ``cfg.mini_batches`` optimizer steps, one padded row per path; each
@@ -320,6 +296,7 @@ def update_paths(
     policy tokens, longest path) so the sum equals the whole-mini-batch loss in every mode.
     ``minis``: the indices into ``seqs`` of each mini-batch (default: ``cfg.mini_batches``
     contiguous chunks)."""
+    model, ref_model, par = policy.model, policy.reference, policy.parallel
     model.train()
     if minis is None:
         minis = split_minibatches(len(seqs), cfg.mini_batches)
@@ -347,7 +324,7 @@ def update_paths(
     sums: dict[str, float] = {}
     diff_sum = diff_count = 0.0
     ratio_maxes: list[float] = []
-    grad_model = par.grad_module(model)
+    grad_model = policy.grad_module()
 
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value / len(minis)
@@ -358,7 +335,7 @@ def update_paths(
         ratio_max = 0.0
         for j, ids in enumerate(mbs):
             mb = collate([seqs[i] for i in ids] if ids else [_EMPTY], pad_id).to(cfg.device)
-            with par.sync(last=j == len(mbs) - 1):
+            with policy.sync(last=j == len(mbs) - 1):
                 lp, ent = token_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
