@@ -202,17 +202,9 @@ def update_packed(
         if ref_model is not None
         else None
     )
-    n = len(plans)
-    sums: dict[str, float] = {}
+    tally = _Tally(len(plans))
     tokens_paths = tokens_packed = 0
-    diff_sum = diff_count = 0.0
-    ratio_maxes: list[float] = []
     grad_model = policy.grad_module()
-
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value / n
-
-    skipped = 0
     for k, plan in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
@@ -222,10 +214,7 @@ def update_packed(
                 lp, ent = packed_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
-                with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
-                    before = old[k][j] if old is not None else lp
-                    diff_sum += float(((mb.sample_logprobs_B_L - before).abs() * mb.count_B_L).sum())
-                    diff_count += float(mb.count_B_L.sum())
+                tally.engine_diff(mb.sample_logprobs_B_L, old[k][j] if old is not None else lp, mb.count_B_L)
                 loss, m = packed_loss(
                     lp,
                     mb,
@@ -237,24 +226,17 @@ def update_packed(
                 loss.backward()
             ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for key, v in m.items():
-                add(key, v)
+                tally.add(key, v)
             with torch.no_grad():
                 assert ent is not None
-                add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
+                tally.add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
             tokens_paths += mb.n_path_tokens
             tokens_packed += mb.n_packed_tokens
             del lp, ent, loss  # this micro-batch's graph, before the next forward
-        add("actor/ratio_max", ratio_max)
-        ratio_maxes.append(ratio_max)
-        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
-            skipped += 1
+        tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    if skipped:
-        sums["update/skipped_steps"] = float(skipped)
-    sums["update/tokens_paths"] = float(tokens_paths)  # what a per-path update would compute
-    sums["update/tokens_packed"] = float(tokens_packed)
-    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
-    return par.merge(sums, ratio_maxes, (diff_sum, diff_count)) if par.active else sums
+    tokens = {"update/tokens_paths": float(tokens_paths), "update/tokens_packed": float(tokens_packed)}
+    return tally.metrics(par, tokens)  # tokens_paths: what a per-path update would compute
 
 
 @torch.no_grad()
@@ -321,15 +303,8 @@ def update_paths(
     if par.active:  # the same number of micro-batches on every rank: empty ones
         for mbs, n_mb in zip(micro, par.padded([len(m) for m in micro]), strict=True):
             mbs.extend([] for _ in range(n_mb - len(mbs)))
-    sums: dict[str, float] = {}
-    diff_sum = diff_count = 0.0
-    ratio_maxes: list[float] = []
+    tally = _Tally(len(minis))
     grad_model = policy.grad_module()
-
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value / len(minis)
-
-    skipped = 0
     for mbs, norm in zip(micro, norms, strict=True):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
@@ -340,11 +315,8 @@ def update_paths(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
                 old_lp = _gather(old, ids, lp)
-                with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
-                    before = old_lp if old_lp is not None else lp
-                    pm = mb.policy_mask_B_T
-                    diff_sum += float(((mb.sample_logprobs_B_T - before).abs() * pm).sum())
-                    diff_count += float(pm.sum())
+                before = old_lp if old_lp is not None else lp  # old = the policy that sampled
+                tally.engine_diff(mb.sample_logprobs_B_T, before, mb.policy_mask_B_T)
                 loss, m = compute_loss(
                     lp,
                     old_lp,
@@ -360,19 +332,55 @@ def update_paths(
             token_share = float(mb.policy_mask_B_T.sum()) / max(norm.n_tokens, 1.0)
             ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for k, v in m.items():
-                add(k, v if k.startswith("loss/") else v * token_share)
+                tally.add(k, v if k.startswith("loss/") else v * token_share)
             with torch.no_grad():
-                add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
+                tally.add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
             del lp, ent, loss  # this micro-batch's graph, before the next forward
-        add("actor/ratio_max", ratio_max)
-        ratio_maxes.append(ratio_max)
-        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
-            skipped += 1
+        tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    if skipped:
-        sums["update/skipped_steps"] = float(skipped)
-    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
-    return par.merge(sums, ratio_maxes, (diff_sum, diff_count)) if par.active else sums
+    return tally.metrics(par)
+
+
+class _Tally:
+    """The metrics of one update, as both implementations report them: means over its ``n_minis``
+    mini-batches (:meth:`add`), the engine-vs-trainer log-prob difference, each mini-batch's
+    ratio maximum and the optimizer steps skipped (a non-finite gradient)."""
+
+    def __init__(self, n_minis: int) -> None:
+        self.n_minis = n_minis
+        self.sums: dict[str, float] = {}
+        self.diff_sum = self.diff_count = 0.0
+        self.ratio_maxes: list[float] = []
+        self.skipped = 0
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value / self.n_minis
+
+    @torch.no_grad()
+    def engine_diff(self, sampled: torch.Tensor, before: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add ``|engine − trainer|`` log-probs, weighted, before any step (``before``: the old
+        log-probs, i.e. the policy that sampled, else the current ones)."""
+        self.diff_sum += float(((sampled - before).abs() * weight).sum())
+        self.diff_count += float(weight.sum())
+
+    def step(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, ratio_max: float
+    ) -> None:
+        """End of a mini-batch: its ratio maximum, then the clipped optimizer step (or a skip)."""
+        self.add("actor/ratio_max", ratio_max)
+        self.ratio_maxes.append(ratio_max)
+        if not clip_and_step(model, optimizer, grad_clip, self.add):
+            self.skipped += 1
+
+    def metrics(self, par: Parallel, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """The update's metrics (``extra`` after the skip count), merged over the ranks."""
+        sums = self.sums
+        if self.skipped:
+            sums["update/skipped_steps"] = float(self.skipped)
+        sums.update(extra or {})
+        sums["rollout/logprob_diff"] = self.diff_sum / max(self.diff_count, 1.0)
+        diff = (self.diff_sum, self.diff_count)
+        return par.merge(sums, self.ratio_maxes, diff) if par.active else sums
 
 
 _EMPTY = TrainSequence([0, 0], [0, 0], [0.0, 0.0], [0.0, 0.0])
