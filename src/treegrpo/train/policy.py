@@ -35,6 +35,7 @@ import contextlib
 import copy
 import inspect
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -226,7 +227,7 @@ class Policy:
 
     def save(
         self,
-        folder: Any,
+        folder: Path,
         run: RunState,
         tokenizer: Any,
         optimizer: torch.optim.Optimizer,
