@@ -29,6 +29,7 @@ from treegrpo.train.distributed import (
     shard,
     unshard,
 )
+from treegrpo.train.policy import Policy
 from treegrpo.train.update import update
 
 # -- pure helpers -------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def _one_process(model_dir: Path, c: dict[str, Any]) -> dict[str, Any]:
     metrics = []
     for forests in _batches(c):
         advs = [token_advantages(f, "tree_grpo") for f in forests]
-        metrics.append(update(model, ref, opt, forests, advs, cfg, loss_cfg, PAD))
+        metrics.append(update(Policy(model, ref), opt, forests, advs, cfg, loss_cfg, PAD))
     min_grad = torch.stack(grads).min(0).values
     return {"metrics": metrics, "params": _flat(model.state_dict(), model), "min_grad": min_grad}
 
@@ -162,14 +163,15 @@ def _worker(rank: int, world: int, model_dir: str, store: str, out: str) -> None
     for c in CONFIGS:
         cfg, loss_cfg, model, ref = _setup(Path(model_dir), c)
         par = Parallel(rank=rank, world=world, kind=c["parallel"])
-        par.wrap(model, ref)
+        policy = Policy(model, ref, par)
+        policy.distribute()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         metrics = []
         for forests in _batches(c):
-            par.rollout_module(model)  # FSDP2: the full copy the probe (and rollouts) use
+            policy.rollout_module()  # FSDP2: the full copy the probe (and rollouts) use
             local = shard(forests, rank, world)
             advs = [token_advantages(f, "tree_grpo") for f in local]
-            metrics.append(update(model, ref, opt, local, advs, cfg, loss_cfg, PAD, par=par))
+            metrics.append(update(policy, opt, local, advs, cfg, loss_cfg, PAD))
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         results.append({"metrics": metrics, "params": _flat(sd, load_model(Path(model_dir)))})
     if rank == 0:

@@ -18,6 +18,7 @@ from treegrpo.algos.advantages import token_advantages
 from treegrpo.models.loader import load_model
 from treegrpo.train import logprobs
 from treegrpo.train.distributed import Parallel, shard
+from treegrpo.train.policy import Policy
 from treegrpo.train.update import update
 
 CHUNK = 16  # several chunks per micro-batch (micro_batch_tokens 96)
@@ -51,16 +52,17 @@ def _counting(calls: dict[str, int]) -> None:
     logprobs.logprobs_from_logits, logprobs.logprobs_from_hidden = logits, hidden
 
 
-def _direct(par: Parallel, model: torch.nn.Module, rank: int) -> dict[str, Any]:
+def _direct(policy: Policy, rank: int) -> dict[str, Any]:
     """One forward and backward through the DDP wrapper, chunked and not, on inputs that differ
     per rank: log-probs, entropies and the all-reduced gradients."""
     ids = torch.randint(3, 400, (2, 40), generator=torch.Generator().manual_seed(100 + rank))
     src = (torch.arange(40) - 1).expand(2, 40)
+    model = policy.model
     out: dict[str, Any] = {}
     for chunk in (None, CHUNK):
         model.zero_grad(set_to_none=True)
         lp, ent = logprobs.model_logprobs(
-            par.grad_module(model),
+            policy.grad_module(),
             {"input_ids": ids, "use_cache": False},
             src,
             ids,
@@ -109,15 +111,16 @@ def _worker(rank: int, world: int, model_dir: str, store: str, out: str) -> None
     for i, c in enumerate(CONFIGS):
         cfg, loss_cfg, model, ref = _setup(Path(model_dir), c)
         par = Parallel(rank=rank, world=world, kind="ddp")
-        par.wrap(model, ref)
-        direct = {**_direct(par, model, rank), "elsewhere": _head_elsewhere(model_dir)} if i == 0 else None
+        policy = Policy(model, ref, par)
+        policy.distribute()
+        direct = {**_direct(policy, rank), "elsewhere": _head_elsewhere(model_dir)} if i == 0 else None
         calls.clear()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         metrics = []
         for forests in _batches(c):
             local = shard(forests, rank, world)
             advs = [token_advantages(f, "tree_grpo") for f in local]
-            metrics.append(update(model, ref, opt, local, advs, cfg, loss_cfg, PAD, par=par))
+            metrics.append(update(policy, opt, local, advs, cfg, loss_cfg, PAD))
         sd = model.state_dict()
         results.append(
             {

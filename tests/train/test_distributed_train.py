@@ -25,8 +25,9 @@ from treegrpo.algos.advantages import token_advantages
 from treegrpo.models.loader import load_model
 from treegrpo.train.checkpoint import read_checkpoint
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.policy import Policy
 from treegrpo.train.schedule import lr_at, set_lr
-from treegrpo.train.trainer import advantage_config, loss_config, policy_model, reference_policy, train
+from treegrpo.train.trainer import advantage_config, loss_config, train
 from treegrpo.train.update import update
 from treegrpo.tree import read_forests
 
@@ -107,15 +108,15 @@ def _replay(model_dir: Path, out: Path, steps: int) -> dict[int, State]:
     do: each rank samples its own stream, so the rollouts depend on the world size.)"""
     cfg = TrainConfig.model_validate(json.loads((out / "config.json").read_text()))
     parts = parts_for(model_dir)
-    model = policy_model(parts.model, cfg)
-    ref = reference_policy(model, cfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=float(cfg.lr), weight_decay=cfg.weight_decay)
+    policy = Policy.build(parts.model, cfg)
+    model = policy.model
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=float(cfg.lr), weight_decay=cfg.weight_decay)
     states = {}
     for step in range(1, steps + 1):
         forests = read_forests(out / "rollouts" / f"step_{step:05d}.jsonl")
         advs = [token_advantages(f, cfg.estimator, advantage_config(cfg)) for f in forests]
         set_lr(opt, lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
-        update(model, ref, opt, forests, advs, cfg, loss_config(cfg), parts.tokenizer.pad_token_id)
+        update(policy, opt, forests, advs, cfg, loss_config(cfg), parts.tokenizer.pad_token_id)
         states[step] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
     return states
 

@@ -30,8 +30,9 @@ from treegrpo.train.config import (
     make_config,
     resolve_model_defaults,
 )
+from treegrpo.train.policy import Policy, prepare_model, reference_of
 from treegrpo.train.setup import RunParts, agent_config
-from treegrpo.train.trainer import policy_model, reference_policy, train
+from treegrpo.train.trainer import train
 from treegrpo.train.update import update
 from treegrpo.tree import Forest, Node, Tree
 
@@ -90,7 +91,7 @@ def test_agent_limits_are_auto_per_model_kind_and_recorded() -> None:
 
 def test_gradient_checkpointing_needs_a_transformers_model() -> None:
     with pytest.raises(ConfigError, match="gradient_checkpointing_enable"):
-        policy_model(torch.nn.Linear(2, 2), make_config({"gradient_checkpointing": True}))
+        prepare_model(torch.nn.Linear(2, 2), make_config({"gradient_checkpointing": True}))
 
 
 # -- LoRA on the tiny model ------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_lora_makes_no_model_copy_and_kl_starts_at_zero(
 
     monkeypatch.setattr(torch.nn.Module, "__deepcopy__", no_copy, raising=False)
     with pytest.raises(AssertionError, match="deepcopy"):  # the guard catches full fine-tuning's copy
-        reference_policy(load_model(tiny_model_dir), make_config({"kl_coef": 0.01}))
+        reference_of(load_model(tiny_model_dir), make_config({"kl_coef": 0.01}))
     out = tmp_path / "lora"
     parts = parts_for(tiny_model_dir)
     train(small_cfg(out, steps=1, lora_rank=4, lora_alpha=8.0, kl_coef=0.05, entropy_coef=0.01), parts=parts)
@@ -234,7 +235,7 @@ def test_gradient_checkpointing_keeps_packed_equal_to_per_path_on_smollm2(smollm
             }
         )  # fmt: skip
         loss_cfg = LossConfig(kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef)
-        model = policy_model(load_model(smollm2_2layer_dir), cfg)
+        model = prepare_model(load_model(smollm2_2layer_dir), cfg)
         flag = (
             "is_activation_checkpointing"
             if hasattr(model, "is_activation_checkpointing")
@@ -246,7 +247,7 @@ def test_gradient_checkpointing_keeps_packed_equal_to_per_path_on_smollm2(smollm
             for p in ref.parameters():
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        m = update(model, ref, opt, forests, advs, cfg, loss_cfg, tok.pad_token_id)
+        m = update(Policy(model, ref), opt, forests, advs, cfg, loss_cfg, tok.pad_token_id)
         assert m["update/packed"] == (1.0 if packing == "on" else 0.0)
         params[(gc, packing, chunk)] = torch.cat([p.detach().flatten() for p in model.parameters()]) - start
     step = float(params[(True, "off", 0)].abs().max())
@@ -270,12 +271,12 @@ def test_a_bf16_full_fine_tuning_update_runs_on_smollm2(smollm2_2layer_dir: Path
     cfg = make_config(
         {"dtype": "bfloat16", "kl_coef": 0.05, "entropy_coef": 0.01, "logprob_chunk_tokens": 32}
     )
-    model = policy_model(load_model(smollm2_2layer_dir, dtype=torch.bfloat16), cfg)
-    ref = reference_policy(model, cfg)
+    policy = Policy.build(load_model(smollm2_2layer_dir, dtype=torch.bfloat16), cfg)
+    model = policy.model
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     m = update(
-        model, ref, opt, forests, advs, cfg, LossConfig(kl_coef=0.05, entropy_coef=0.01), tok.pad_token_id
+        policy, opt, forests, advs, cfg, LossConfig(kl_coef=0.05, entropy_coef=0.01), tok.pad_token_id
     )
     assert m["update/packed"] == 1.0
     assert all(math.isfinite(v) for v in m.values())

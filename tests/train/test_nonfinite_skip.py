@@ -14,6 +14,7 @@ from treegrpo.algos.losses import LossConfig
 from treegrpo.models.loader import load_model
 from treegrpo.train import update as update_mod
 from treegrpo.train.config import make_config
+from treegrpo.train.policy import Policy
 from treegrpo.train.report import step_warnings
 
 
@@ -35,7 +36,7 @@ def test_nan_loss_leaves_weights_and_optimizer_untouched(
     cfg = make_config({"packing": packing, "kl_coef": 0.0, "micro_batch_tokens": 128})
     forests = forests_for_tests()
     advs = [token_advantages(f, "tree_grpo") for f in forests]
-    m = update_mod.update(model, None, opt, forests, advs, cfg, LossConfig(kl_coef=0.0), PAD)
+    m = update_mod.update(Policy(model), opt, forests, advs, cfg, LossConfig(kl_coef=0.0), PAD)
     assert m["update/skipped_steps"] == 1.0 and "actor/grad_norm" not in m
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -48,5 +49,5 @@ def test_finite_loss_takes_the_step(tiny_model_dir: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     forests = forests_for_tests()
     advs = [token_advantages(f, "tree_grpo") for f in forests]
-    m = update_mod.update(model, None, opt, forests, advs, make_config({"kl_coef": 0.0}), LossConfig(kl_coef=0.0), PAD)
+    m = update_mod.update(Policy(model), opt, forests, advs, make_config({"kl_coef": 0.0}), LossConfig(kl_coef=0.0), PAD)
     assert "update/skipped_steps" not in m and m["actor/grad_norm"] > 0

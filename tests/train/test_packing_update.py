@@ -15,6 +15,7 @@ from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import AGG_MODES, LossConfig
 from treegrpo.models.loader import load_model
 from treegrpo.train.config import TrainConfig, make_config
+from treegrpo.train.policy import Policy
 from treegrpo.train.update import split_minibatches, update
 
 
@@ -37,7 +38,7 @@ def _run(
         for p in ref.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = update(model, ref, opt, forests, advs, cfg, loss_cfg, PAD, **kw)
+    metrics = update(Policy(model, ref), opt, forests, advs, cfg, loss_cfg, PAD, **kw)
     return metrics, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -82,7 +83,7 @@ def test_micro_batches_give_the_one_batch_gradient(tiny_model_dir: Path, agg_mod
         with torch.no_grad():
             for p in ref.parameters():
                 p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
-        update(model, ref, torch.optim.SGD(model.parameters(), lr=1.0), forests, advs, cfg, loss_cfg, PAD)
+        update(Policy(model, ref), torch.optim.SGD(model.parameters(), lr=1.0), forests, advs, cfg, loss_cfg, PAD)
         params[cap] = torch.cat([p.detach().flatten() for p in model.parameters()])
     start = torch.cat([p.detach().flatten() for p in load_model(tiny_model_dir).parameters()])
     assert float((params[64] - start).abs().max()) > 1e-3
@@ -155,7 +156,7 @@ def test_an_empty_batch_trains_nothing_and_decides_nothing(tiny_model_dir: Path)
     cfg, loss_cfg = _cfgs()
     model = load_model(tiny_model_dir)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = update(model, None, opt, [], [], cfg, loss_cfg, PAD)
+    metrics = update(Policy(model), opt, [], [], cfg, loss_cfg, PAD)
     assert metrics["update/packed"] == 1.0 and model not in _PACKING_CHECKED
 
 
@@ -170,7 +171,7 @@ def test_entropy_bonus_reaches_the_gradient(tiny_model_dir: Path, packing: str) 
         cfg, loss_cfg = _cfgs(packing=packing, kl_coef=0.0, entropy_coef=coef)
         model = load_model(tiny_model_dir)
         start = torch.cat([p.detach().flatten() for p in model.parameters()])
-        m = update(model, None, torch.optim.SGD(model.parameters(), lr=0.5), forests, zero, cfg, loss_cfg, PAD)
+        m = update(Policy(model), torch.optim.SGD(model.parameters(), lr=0.5), forests, zero, cfg, loss_cfg, PAD)
         assert m["actor/entropy"] > 0
         moved[coef] = float((torch.cat([p.detach().flatten() for p in model.parameters()]) - start).abs().max())
     assert moved[0.0] == 0.0 and moved[0.1] > 1e-4

@@ -22,6 +22,7 @@ from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.train.config import make_config
+from treegrpo.train.policy import Policy
 from treegrpo.train.update import update
 
 DOCS = [Doc("0", "Paris\nParis is the capital of France."), Doc("1", "Nile\nThe Nile flows through Cairo.")]
@@ -70,7 +71,7 @@ def test_two_rl_steps_on_smollm2_packed_equal_per_path(smollm2_2layer_dir: Path,
         advs = [token_advantages(f, "tree_grpo" if sampler == "tree" else "grpo") for f in res.forests]
         assert any(abs(a) > 0.1 for f in advs for path in f for a in path)  # non-zero advantages
         for packing, model in models.items():
-            m = update(model, ref, opts[packing], res.forests, advs, cfg.model_copy(update={"packing": packing}), loss_cfg, tok.pad_token_id)
+            m = update(Policy(model, ref), opts[packing], res.forests, advs, cfg.model_copy(update={"packing": packing}), loss_cfg, tok.pad_token_id)
             assert m["update/packed"] == (1.0 if packing == "on" else 0.0)
     assert "eos" in kinds  # (the scripted engine ends a multi-token tag on its last id: finish "length")
     moved = {k: torch.cat([p.detach().flatten() for p in m.parameters()]) - start for k, m in models.items()}

@@ -18,6 +18,7 @@ from treegrpo.rollout.hf_engine import HFEngine
 from treegrpo.train.batching import collate, forest_sequences, token_logprobs
 from treegrpo.train.config import make_config
 from treegrpo.train.logprobs import effective_temperature
+from treegrpo.train.policy import Policy
 from treegrpo.train.update import update
 from treegrpo.tree import Forest, Node, Tree
 
@@ -74,7 +75,7 @@ def _update(model_dir: Path, forests: list[Forest], **kw: Any) -> dict[str, floa
     ref = load_model(model_dir).eval()
     advs = [token_advantages(f, "grpo") for f in forests]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return update(model, ref, opt, forests, advs, cfg, loss_cfg, pad_id=0)
+    return update(Policy(model, ref), opt, forests, advs, cfg, loss_cfg, pad_id=0)
 
 
 @pytest.mark.parametrize("packing", ["on", "off"])

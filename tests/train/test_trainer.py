@@ -17,6 +17,7 @@ from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.train.batching import TrainSequence
 from treegrpo.train.config import ConfigError, TrainConfig, load_config, make_config
+from treegrpo.train.policy import Policy
 from treegrpo.train.setup import RunParts
 from treegrpo.train.trainer import train
 from treegrpo.train.update import update_paths
@@ -89,7 +90,7 @@ def test_observation_tokens_carry_no_loss(tiny_model_dir: Path) -> None:
             TrainSequence(ids[:12], mask[:12], [-1.0 if m else obs_adv for m in mask[:12]], [0.0] * 12),
         ]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        update_paths(model, ref, opt, seqs, cfg, loss_cfg, tok.pad_token_id)
+        update_paths(Policy(model, ref), opt, seqs, cfg, loss_cfg, tok.pad_token_id)
         grads.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1])
 

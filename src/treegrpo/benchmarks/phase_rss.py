@@ -63,13 +63,14 @@ def _wrap(
 
 def install() -> None:
     """Wrap the trainer's phases (see the module docstring)."""
+    import treegrpo.train.policy as pol
     import treegrpo.train.trainer as tr
     import treegrpo.train.update as up
 
     _wrap(tr, "build_run", None, "load")
     _wrap(tr, "evaluate", "before_eval", "eval")
     _wrap(tr, "update", "before_update", "update_end")
-    _wrap(tr, "save_run", "before_save", "save")
+    _wrap(pol, "save_run", "before_save", "save")
     get_sampler = tr.get_sampler
 
     def sampler(name: str) -> Callable[..., Any]:

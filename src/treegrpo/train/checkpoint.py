@@ -43,9 +43,8 @@ import torch
 from pydantic import ValidationError
 
 from treegrpo.io import atomic_write_json, fsync_path, sha256_file
-from treegrpo.models.lora import is_lora, load_adapter, save_model_folder
+from treegrpo.models.lora import save_model_folder
 from treegrpo.train.config import ConfigError, TrainConfig
-from treegrpo.train.distributed import SINGLE, Parallel, load_full_optimizer_state, load_full_weights
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
@@ -207,7 +206,7 @@ def save_run(
 ) -> None:
     """Checkpoint a run: weights, tokenizer, optimizer, :class:`RunState` and the config it ran with.
     ``optimizer_state``: the optimizer's full state when it is not ``optimizer.state_dict()``
-    (sharded, :func:`~treegrpo.train.distributed.full_optimizer_state`)."""
+    (sharded, :meth:`~treegrpo.train.policy.Policy.optimizer_state`)."""
     state = {
         "format": STATE_FORMAT,
         "run": run.to_state(),
@@ -422,35 +421,13 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
     return merged, changed
 
 
-def _dtype(model: torch.nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def restore(
-    ck: Checkpoint,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    cfg: TrainConfig,
-    changed: dict[str, tuple[Any, Any]],
-    par: Parallel = SINGLE,
+def resumed_run(
+    ck: Checkpoint, optimizer: torch.optim.Optimizer, cfg: TrainConfig, changed: dict[str, tuple[Any, Any]]
 ) -> RunState:
-    """Load ``ck``'s weights (a LoRA model: its adapter, from ``lora_adapter/``) and optimizer
-    into ``model``/``optimizer`` (sharded by ``par`` under FSDP2) and return its run state,
-    with the overridden fields of ``changed`` applied: the optimizer takes ``cfg``'s lr and weight
-    decay, a changed seed restarts the RNG streams (everything else is read from ``cfg`` each step)."""
-    from treegrpo.models.loader import load_model
-
-    try:
-        if is_lora(model):  # the base is the run's --model, frozen; the adapter is restored exactly
-            load_adapter(model, ck.folder)
-        else:
-            load_full_weights(par, model, load_model(ck.folder, dtype=_dtype(model)).state_dict())
-        load_full_optimizer_state(par, model, optimizer, ck.optimizer)
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"cannot load the checkpoint {ck.folder} into this run's model: {first[:200]}"
-        ) from None
+    """``ck``'s run state, with the overridden fields of ``changed`` applied (its weights and
+    optimizer state are loaded by :meth:`~treegrpo.train.policy.Policy.restore`): the optimizer
+    takes ``cfg``'s lr and weight decay, a changed seed restarts the RNG streams (everything else
+    is read from ``cfg`` each step)."""
     for group in optimizer.param_groups:
         group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
     run = ck.run

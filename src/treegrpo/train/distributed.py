@@ -19,25 +19,24 @@ holding all the forests:
   micro-batches of weight 0 (:func:`padded_counts`); a rank with no forest takes part the same way;
 - **one packing decision**, agreed by all ranks (packed only if every rank can).
 
-DDP runs with ``broadcast_buffers=False`` (otherwise a forward broadcasts buffers such as rotary
-``inv_freq``: a collective even under ``no_grad``) and ``no_sync`` on all but the last
-micro-batch of a mini-batch. FSDP2 (``fully_shard`` of every decoder layer and the root) keeps a
-full-weight copy for the rollout engine, refreshed from the shards (:meth:`Parallel.rollout_module`).
-Rollouts and evaluation run on the unwrapped module (DDP) or that copy (FSDP2); evaluation runs on
-rank 0 and its result is broadcast. Rank 0 writes every file. With one process (no torchrun
-environment) :class:`Parallel` is a no-op and the trainer runs exactly as before.
+The model's wrapping lives in the run's :class:`~treegrpo.train.policy.Policy`: DDP with
+``broadcast_buffers=False`` (otherwise a forward broadcasts buffers such as rotary ``inv_freq``: a
+collective even under ``no_grad``) and ``no_sync`` on all but the last micro-batch of a
+mini-batch, or FSDP2 (``fully_shard`` of every decoder layer and the root) with a full-weight copy
+for the rollout engine, refreshed from the shards. Rollouts and evaluation run on the unwrapped
+module (DDP) or that copy (FSDP2); evaluation runs on rank 0 and its result is broadcast. Rank 0
+writes every file. This module holds the process group and the collectives (:class:`Parallel`)
+and the pure helpers; with one process (no torchrun environment) :class:`Parallel` is a no-op and
+the trainer runs exactly as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import datetime
-import inspect
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -134,17 +133,6 @@ def rank_stream_seed(seed: int, rank: int, step: int = 0) -> str:
 # -- the process group ------------------------------------------------------------------------------
 
 
-def _sum_hook(group: Any, bucket: Any) -> Any:
-    """DDP comm hook: gradients are summed, not averaged (each rank's loss is its global share)."""
-    import torch.distributed as dist
-
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-_sum_hook.__annotations__ = {}  # DDP checks real annotations; these are strings (__future__)
-
-
 @dataclass
 class Parallel:
     """This process's place in the data-parallel job, and the collectives the trainer uses.
@@ -155,10 +143,7 @@ class Parallel:
     rank: int = 0
     world: int = 1
     kind: str = "ddp"
-    ddp: torch.nn.Module | None = None  # the DDP wrapper of the policy (kind ddp)
-    rollout_copy: torch.nn.Module | None = None  # full weights for the rollout engine (kind fsdp2)
     owns_group: bool = False
-    _fsdp: list[torch.nn.Module] = field(default_factory=list)
 
     @property
     def main(self) -> bool:
@@ -198,90 +183,6 @@ class Parallel:
                 dist.barrier()
                 dist.destroy_process_group()
             self.owns_group = False
-
-    def wrap(self, model: torch.nn.Module, ref: Any, device: str = "cpu") -> None:
-        """Make ``model`` (and a frozen reference model ``ref``) data-parallel in place: DDP
-        (``broadcast_buffers=False``, summed gradients) or FSDP2 (``fully_shard`` of each decoder
-        layer and the root, gradients summed; a full copy kept for the rollout engine)."""
-        if not self.active:
-            return
-        from treegrpo.models.lora import is_lora
-
-        if self.kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            dev = torch.device(device)
-            ids = [dev.index or 0] if dev.type == "cuda" else None
-            # no buffer broadcast in forward (a collective even under no_grad); newer torch names it
-            # forward_sync_buffers (which still syncs once at init: the buffers are equal anyway)
-            new = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-            no_bcast = {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}
-            self.ddp = DDP(model, device_ids=ids, **no_bcast)
-            self.ddp.register_comm_hook(None, _sum_hook)
-            return
-        if is_lora(model):
-            raise ConfigError(
-                "parallel=fsdp2 does not train LoRA adapters; use parallel=ddp with lora_rank > 0"
-            )
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from treegrpo.train import logprobs
-
-        mesh = init_device_mesh(torch.device(device).type, (self.world,))
-        self.rollout_copy = copy.deepcopy(model)
-        for m in [model] + ([ref] if isinstance(ref, torch.nn.Module) else []):
-            for sub in m.modules():
-                if type(sub).__name__.endswith("DecoderLayer"):
-                    fully_shard(sub, mesh=mesh)
-                    self._fsdp.append(sub)
-            fully_shard(m, mesh=mesh)
-            self._fsdp.append(m)
-            logprobs._SPLIT_HEAD[m] = False  # the decoder alone skips the root's all-gather: full logits
-        for m in self._fsdp:
-            m.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-            m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # plain SUM (gloo has no PREMUL_SUM)
-
-    # -- modules ----------------------------------------------------------------------------------
-
-    def grad_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module gradient-taking forwards go through: the DDP wrapper, else ``model``."""
-        return self.ddp if self.ddp is not None else model
-
-    def local_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A module with the full current weights whose forward is no collective (for the packing
-        probe): ``model``, or FSDP2's rollout copy."""
-        return self.rollout_copy if self.rollout_copy is not None else model
-
-    def rollout_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module the rollout engine samples from; under FSDP2 the full copy, first refreshed
-        from the shards (a collective: every rank calls it)."""
-        from treegrpo.models.lora import sampling_module
-
-        if self.rollout_copy is None:
-            return sampling_module(model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        with torch.no_grad():
-            self.rollout_copy.load_state_dict(full)
-        return self.rollout_copy
-
-    def checkpoint_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module whose weights a checkpoint saves (full weights; FSDP2: the refreshed copy)."""
-        return self.rollout_module(model) if self.rollout_copy is not None else model
-
-    @contextlib.contextmanager
-    def sync(self, last: bool) -> Iterator[None]:
-        """Around one micro-batch's forward and backward: gradients are reduced across ranks only
-        on the ``last`` micro-batch of a mini-batch (DDP ``no_sync`` / FSDP2 gradient sync off)."""
-        if self.ddp is not None and not last:
-            with self.ddp.no_sync():  # type: ignore[operator]
-                yield
-            return
-        for m in self._fsdp:
-            m.set_requires_gradient_sync(last)  # type: ignore[operator]
-        yield
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -429,56 +330,3 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     for p in params:
         p.grad.mul_(coef)  # type: ignore[union-attr]
     return total
-
-
-# -- optimizer state, full -------------------------------------------------------------------------
-
-
-def full_optimizer_state(
-    par: Parallel, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """The optimizer's state as one process's ``optimizer.state_dict()`` (parameters by index);
-    FSDP2 gathers it from the shards (a collective)."""
-    if par.rollout_copy is None:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if not full:  # cpu_offload: only rank 0 receives it (the rank that writes)
-        return {}
-    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.requires_grad)}
-    return {
-        "state": {index[k]: v for k, v in full["state"].items()},
-        "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in full["param_groups"]],
-    }
-
-
-def load_full_optimizer_state(
-    par: Parallel, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-) -> None:
-    """Load a :func:`full_optimizer_state` (FSDP2: each rank keeps its shard)."""
-    if par.rollout_copy is None:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    full = {
-        "state": {names[int(k)]: v for k, v in state["state"].items()},
-        "param_groups": [
-            {**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]
-        ],
-    }
-    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
-
-
-def load_full_weights(par: Parallel, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Load full weights into ``model`` (FSDP2: each rank keeps its shard)."""
-    if par.rollout_copy is None:
-        model.load_state_dict(weights)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))

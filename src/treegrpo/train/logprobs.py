@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -291,19 +291,26 @@ def ddp_hidden(
     return hidden, head
 
 
+class ReadOut(TypedDict, total=False):
+    """The read-out options :func:`model_logprobs` passes on: ``temperature`` (1.0),
+    ``with_entropy`` (False), ``chunk_tokens`` (None) and ``entropy_grad`` (True), as
+    :func:`logprobs_from_logits` documents them."""
+
+    temperature: float
+    with_entropy: bool
+    chunk_tokens: int | None
+    entropy_grad: bool
+
+
 def model_logprobs(
     model: torch.nn.Module,
     inputs: dict[str, Any],
     src_B_L: torch.Tensor,
     targets_B_L: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    chunk_tokens: int | None = None,
-    entropy_grad: bool = True,
+    **opts: Unpack[ReadOut],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model(**inputs)`` and read each target token's log-prob (and entropy) at its source
-    position (:func:`logprobs_from_logits`'s convention).
+    position (:func:`logprobs_from_logits`'s convention; ``opts``: :class:`ReadOut`).
 
     ``chunk_tokens`` (> 0) and a model :func:`split_head` accepts: from the decoder's hidden
     states, chunked and recomputed in backward (:func:`logprobs_from_hidden`, the module
@@ -311,6 +318,7 @@ def model_logprobs(
     log-softmax). A DDP wrapper: the same, its forward giving the hidden states
     (:func:`ddp_hidden`). ``None``/0: the full logits, exactly as before. ``entropy_grad`` False:
     the entropy without autograd (a metric only, see the module docstring)."""
+    chunk_tokens = opts.get("chunk_tokens")
     if chunk_tokens:
         found: tuple[torch.Tensor, torch.nn.Module] | None = None
         if _ddp_inner(model) is not None:
@@ -319,21 +327,10 @@ def model_logprobs(
             found = parts[0](**inputs).last_hidden_state, parts[1]
         if found is not None:
             hidden, head = found
-            return logprobs_from_hidden(
-                hidden, head, src_B_L, targets_B_L,
-                temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-                entropy_grad=entropy_grad,
-            )  # fmt: skip
+            return logprobs_from_hidden(hidden, head, src_B_L, targets_B_L, **opts)  # type: ignore[arg-type]
     out = model(**inputs)
-    return logprobs_from_logits(
-        out.logits,
-        src_B_L,
-        targets_B_L,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        chunk_tokens=chunk_tokens or None,
-        entropy_grad=entropy_grad,
-    )
+    full: ReadOut = {**opts, "chunk_tokens": chunk_tokens or None}  # 0: no chunks
+    return logprobs_from_logits(out.logits, src_B_L, targets_B_L, **full)
 
 
 def logprobs_from_hidden(

@@ -6,13 +6,12 @@ Estimators and losses are looked up in their registries (``treegrpo.algos``); sa
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
@@ -23,7 +22,6 @@ from treegrpo.algos.losses import LossConfig
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.models.loader import MARKER_FILE
-from treegrpo.models.lora import AdapterDisabled, apply_lora, is_lora
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
@@ -33,20 +31,20 @@ from treegrpo.train.checkpoint import (
     RunState,
     open_checkpoint,
     remove_stale_temps,
-    restore,
     resume_config,
-    save_run,
+    resumed_run,
 )
 from treegrpo.train.config import AUTO_LIMITS, TrainConfig, resolve_model_defaults, warn_single_leaf_groups
-from treegrpo.train.distributed import Parallel, QuietLogger, full_optimizer_state, shard
+from treegrpo.train.distributed import Parallel, QuietLogger, shard
 from treegrpo.train.evaluate import evaluate, headline
 from treegrpo.train.memory import return_freed_memory
 from treegrpo.train.metrics import MetricsLogger, peak_rss_gb
 from treegrpo.train.monitors import check_step
+from treegrpo.train.policy import Policy
 from treegrpo.train.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
 from treegrpo.train.schedule import lr_at, set_lr
 from treegrpo.train.setup import RunParts, build_run
-from treegrpo.train.update import Reference, update
+from treegrpo.train.update import update
 from treegrpo.tree import write_forests
 
 GIGPO_ESTIMATORS = ("gigpo", "tree_gigpo")
@@ -138,10 +136,8 @@ def train(
     parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps
     limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
-    model, tok = policy_model(parts.model, cfg), parts.tokenizer  # + gradient checkpointing, LoRA adapter
-    ref_model = reference_policy(model, cfg)  # the starting policy: the adapter disabled (LoRA) or a copy
-    par.wrap(model, ref_model, cfg.device)  # DDP, or FSDP2 shards (several processes only)
-    engine = make_engine(cfg.engine, par.rollout_module(model), tok, device=cfg.device, **cfg.engine_options)
+    policy, tok = Policy.build(parts.model, cfg, par), parts.tokenizer  # LoRA, reference, DDP/FSDP2
+    engine = make_engine(cfg.engine, policy.rollout_module(), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     if runner.context_note:  # the engine's max_model_len is below the context budget
         console.print(runner.context_note)
@@ -152,12 +148,13 @@ def train(
     estimator = cfg.estimator
     get_advantage_estimator(estimator)  # fail fast on an unknown name
     adv_cfg, loss_cfg = advantage_config(cfg), loss_config(cfg)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # all, or the LoRA adapter's
+    trainable = policy.trainable_parameters()  # all, or the LoRA adapter's
     optimizer = torch.optim.AdamW(trainable, lr=float(cfg.lr), weight_decay=cfg.weight_decay)
     if resume_from is None:
         run = RunState.fresh(cfg.seed, eval_start)  # prompt order, tree picks and sampling streams
     else:
-        run = restore(resume_from, model, optimizer, cfg, changed, par)  # applies overridden lr/seed
+        policy.restore(resume_from, optimizer)  # weights (LoRA: the adapter) and optimizer state
+        run = resumed_run(resume_from, optimizer, cfg, changed)  # applies overridden lr/seed
         for k, (old, new) in changed.items():
             console.print(f"resume: {k} changed from {old!r} to {new!r} (--resume-override)")
         console.print(f"[bold]resumed[/] from {resume_from.folder} at step {run.step}")
@@ -202,7 +199,7 @@ def train(
             # 1. rollout: one batch of prompts (the same on every rank; each grows its share)
             tasks = run.rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
             t0, c0 = time.perf_counter(), time.process_time()
-            engine.load_weights(par.rollout_module(model))
+            engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
             result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
             t1, c1 = time.perf_counter(), time.process_time()
@@ -214,16 +211,7 @@ def train(
             lr = lr_at(step, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
             set_lr(optimizer, lr)  # warm-up and schedule: one value per RL step
             metrics = update(
-                model,
-                ref_model,
-                optimizer,
-                result.forests,
-                advs,
-                cfg,
-                loss_cfg,
-                tok.pad_token_id,
-                console.print,
-                par,
+                policy, optimizer, result.forests, advs, cfg, loss_cfg, tok.pad_token_id, console.print
             )
             t2, c2 = time.perf_counter(), time.process_time()
             dt_roll, dt_upd, cpu_roll, cpu_upd = par.slowest(t1 - t0, t2 - t1, c1 - c0, c2 - c1)
@@ -245,7 +233,7 @@ def train(
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
                 metrics["actor/lr"] = lr
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                par.rollout_module(model)  # FSDP2: the engine's full copy refreshed from the shards
+                policy.rollout_module()  # FSDP2: the engine's full copy refreshed from the shards
                 run.last_eval = par.on_main(lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled))
                 metrics.update(run.last_eval)
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval)])
@@ -267,11 +255,7 @@ def train(
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.wall_s = wall_before + time.perf_counter() - t_start
                 par.collect_streams(run)  # every rank's streams; FSDP2 gathers weights and optimizer:
-                weights, opt_state = par.checkpoint_module(model), full_optimizer_state(par, model, optimizer)
-                if par.main:
-                    save_run(
-                        out / CHECKPOINT_DIR, run, weights, tok, optimizer, cfg, parts.extra_files, opt_state
-                    )
+                policy.save(out / CHECKPOINT_DIR, run, tok, optimizer, cfg, parts.extra_files)
             progress.advance(bar)
     logger.close()
     run.wall_s = wall_before + time.perf_counter() - t_start
@@ -284,29 +268,23 @@ def train(
 
 def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
     """The estimators' options of a run (``adv_*`` fields; GiGPO's under verl-agent's names)."""
-    return AdvantageConfig(
-        scale=cfg.adv_scale,
-        sqrt_weighting=cfg.adv_sqrt_weighting,
-        local=cfg.adv_local,
-        gamma=cfg.gamma,
-        step_advantage_w=cfg.step_advantage_w,
-        mode=cfg.gigpo_mode,
-        enable_similarity=cfg.enable_similarity,
-        similarity_thresh=cfg.similarity_thresh,
-    )
+    renamed = {"scale": "adv_scale", "sqrt_weighting": "adv_sqrt_weighting", "local": "adv_local"}
+    return options_of(AdvantageConfig, cfg, **renamed, mode="gigpo_mode")
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
     """The PPO-clip loss settings of a run."""
-    return LossConfig(
-        clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high,
-        dual_clip=cfg.dual_clip,
-        kl_coef=cfg.kl_coef,
-        kl_kind=cfg.kl_kind,
-        entropy_coef=cfg.entropy_coef,
-        agg_mode=cfg.agg_mode,
-    )
+    return options_of(LossConfig, cfg)
+
+
+_O = TypeVar("_O")
+
+
+def options_of(cls: type[_O], cfg: TrainConfig, **renamed: str) -> _O:
+    """The options dataclass ``cls`` from ``cfg``: each of its fields that ``cfg`` has under the
+    same name, and those ``renamed`` (``field="config_field"``); the others keep their defaults."""
+    names = {f.name: f.name for f in dataclasses.fields(cls) if f.name in TrainConfig.model_fields}  # type: ignore[arg-type]
+    return cls(**{k: getattr(cfg, v) for k, v in {**names, **renamed}.items()})
 
 
 def _finished(out: Path, cfg: TrainConfig, ck: Checkpoint, console: Console) -> TrainSummary:
@@ -331,38 +309,3 @@ def _advantages(result: RolloutResult, estimator: str, adv_cfg: AdvantageConfig,
     except ValueError as e:
         reward_fn = getattr(env, "metric", None) or type(env).__name__
         raise ConfigError(f"{e} (reward function: {reward_fn})") from None
-
-
-def policy_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-    """The module trained: ``model`` (loaded in ``cfg.dtype``) with gradient checkpointing
-    (transformers' ``gradient_checkpointing_enable``, non-reentrant; ``activation_checkpointing_enable``
-    as transformers >= 5.x names it) when asked, wrapped with a LoRA adapter (peft) when
-    ``cfg.lora_rank > 0``. (``auto`` fields unresolved by :func:`resolve_model_defaults` count as off.)"""
-    if cfg.gradient_checkpointing is True:
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            raise ConfigError(
-                f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable (not a transformers model)"
-            )
-    if cfg.lora_rank and not is_lora(model):
-        model = apply_lora(
-            model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, seed=cfg.seed
-        )
-    return model
-
-
-def reference_policy(model: torch.nn.Module, cfg: TrainConfig) -> Reference | None:
-    """The KL reference (the starting policy), ``None`` without a KL term: for LoRA the same
-    model with its adapter disabled (no copy), otherwise a frozen copy."""
-    if cfg.kl_coef <= 0:
-        return None
-    if is_lora(model):
-        return AdapterDisabled(model)
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref

@@ -25,13 +25,13 @@ trainer's taken before any optimizer step (a check that rollout and training agr
 Log-probs and entropies are read from the model with ``cfg.logprob_chunk_tokens``
 (:func:`~treegrpo.train.logprobs.model_logprobs`: the full-vocabulary log-softmax a chunk of
 positions at a time, also under autograd). The reference policy is a frozen model or, with LoRA,
-the policy itself with its adapter disabled (:func:`with_reference`).
+the policy itself with its adapter disabled (:func:`~treegrpo.train.policy.with_reference`).
 
 Both implementations split the batch's paths into ``cfg.mini_batches`` contiguous chunks in
 ``forest_sequences`` order (whole forests stay together, so packing keeps its sharing) and take one
 optimizer step per chunk; for a given configuration they compute the same update.
 
-Data parallel (``par``, :mod:`treegrpo.train.distributed`): each rank holds its own forests; the
+Data parallel (the policy's ``parallel``, :mod:`treegrpo.train.distributed`): each rank holds its own forests; the
 mini-batches are those of one process holding all of them, normalised by all-reduced
 :class:`~treegrpo.algos.losses.LossNormalizers`, with gradients summed across ranks, the same
 number of micro-batches on every rank (empty ones of weight 0 where a rank has fewer) and one
@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 
 from treegrpo.algos.losses import LossConfig, LossNormalizers, compute_loss
-from treegrpo.models.lora import AdapterDisabled
 from treegrpo.train.batching import (
     TrainSequence,
     collate,
@@ -62,23 +60,10 @@ from treegrpo.train.packing.forward import attention_pair_cost, packed_logprobs
 from treegrpo.train.packing.layout import PackedBatch, empty_batch, pack_forests
 from treegrpo.train.packing.loss import packed_loss
 from treegrpo.train.packing.probe import _PACKING_CHECKED, packing_supported, wants_packing  # noqa: F401
+from treegrpo.train.policy import Policy, with_reference
 from treegrpo.tree import Forest
 
 _log = logging.getLogger("treegrpo.train")
-
-Reference = torch.nn.Module | AdapterDisabled
-"""The KL reference policy: a frozen model, or (LoRA) the policy with its adapter disabled."""
-
-_T = TypeVar("_T")
-
-
-def with_reference(ref: Reference, fn: Callable[[torch.nn.Module], _T]) -> _T:
-    """``fn(module)`` for the reference policy: a LoRA reference runs inside
-    ``model.disable_adapter()``, a frozen model as it is."""
-    if isinstance(ref, AdapterDisabled):
-        with ref.active() as module:
-            return fn(module)
-    return fn(ref)
 
 
 def chunk_tokens(cfg: TrainConfig) -> int | None:
@@ -89,8 +74,7 @@ def chunk_tokens(cfg: TrainConfig) -> int | None:
 
 
 def update(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
@@ -98,14 +82,13 @@ def update(
     loss_cfg: LossConfig,
     pad_id: int,
     log: Callable[[str], object] | None = None,
-    par: Parallel = SINGLE,
 ) -> dict[str, float]:
     """One PPO update on a rollout batch: packed or per path (see the module docstring).
 
     Args:
-        model: the policy (trained in place).
-        ref_model: the frozen reference policy, an :class:`~treegrpo.models.lora.AdapterDisabled`
-            view of a LoRA policy, or ``None`` for no KL term.
+        policy: the policy (its model trained in place), with its KL reference (a frozen model,
+            an :class:`~treegrpo.models.lora.AdapterDisabled` view of a LoRA policy, or ``None``
+            for no KL term) and its data parallelism (this rank's ``forests``).
         optimizer: steps once per mini-batch.
         forests: the batch's forests.
         advantages: per forest, per path, per token (``token_advantages`` output).
@@ -114,15 +97,15 @@ def update(
         loss_cfg: the loss options.
         pad_id: padding token id.
         log: where the one-line packing fallback notice goes (default: the ``treegrpo.train`` logger).
-        par: data parallelism (this rank's ``forests``; default one process).
 
     Returns:
         metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0) and
         ``rollout/logprob_diff``.
     """
     strict = cfg.packing == "on"
+    par = policy.parallel
     packed = wants_packing(cfg, loss_cfg) and packing_supported(
-        par.local_module(model),
+        policy.local_module(),
         forests,
         pad_id,
         cfg.device,
@@ -137,15 +120,11 @@ def update(
     counts = par.gather([f.n_trajectories() for f in forests])
     selects = minibatch_selects(counts, par.rank, cfg.mini_batches)
     if packed:
-        metrics = update_packed(
-            model, ref_model, optimizer, forests, advantages, cfg, loss_cfg, pad_id, par, selects
-        )
+        metrics = update_packed(policy, optimizer, forests, advantages, cfg, loss_cfg, pad_id, selects)
         metrics["update/packed"] = 1.0
     else:
         seqs = forest_sequences(forests, advantages)
-        metrics = update_paths(
-            model, ref_model, optimizer, seqs, cfg, loss_cfg, pad_id, par, _flat(forests, selects)
-        )
+        metrics = update_paths(policy, optimizer, seqs, cfg, loss_cfg, pad_id, _flat(forests, selects))
         metrics["update/packed"] = 0.0
     return metrics
 
@@ -163,15 +142,13 @@ def _flat(forests: Sequence[Forest], selects: list[list[list[int]]]) -> list[lis
 
 
 def update_packed(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     forests: Sequence[Forest],
     advantages: Sequence[list[list[float]]],
     cfg: TrainConfig,
     loss_cfg: LossConfig,
     pad_id: int,
-    par: Parallel = SINGLE,
     selects: list[list[list[int]]] | None = None,
 ) -> dict[str, float]:
     """PPO update on packed rows: one optimizer step per mini-batch, its loss accumulated over
@@ -182,6 +159,7 @@ def update_packed(
     (:func:`~treegrpo.train.packing.forward.attention_pair_cost`,
     :func:`~treegrpo.train.packing.rows.split_rows`). ``selects``: per mini-batch, per forest,
     its paths (default: ``cfg.mini_batches`` contiguous chunks of all paths)."""
+    model, ref_model, par = policy.model, policy.reference, policy.parallel
     model.train()
     if selects is None:
         selects = minibatch_selects([[f.n_trajectories() for f in forests]], 0, cfg.mini_batches)
@@ -224,30 +202,19 @@ def update_packed(
         if ref_model is not None
         else None
     )
-    n = len(plans)
-    sums: dict[str, float] = {}
+    tally = _Tally(len(plans))
     tokens_paths = tokens_packed = 0
-    diff_sum = diff_count = 0.0
-    ratio_maxes: list[float] = []
-    grad_model = par.grad_module(model)
-
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value / n
-
-    skipped = 0
+    grad_model = policy.grad_module()
     for k, plan in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
         for j, mb in enumerate(plan):
             mb = mb.to(cfg.device)
-            with par.sync(last=j == len(plan) - 1):
+            with policy.sync(last=j == len(plan) - 1):
                 lp, ent = packed_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
-                with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
-                    before = old[k][j] if old is not None else lp
-                    diff_sum += float(((mb.sample_logprobs_B_L - before).abs() * mb.count_B_L).sum())
-                    diff_count += float(mb.count_B_L.sum())
+                tally.engine_diff(mb.sample_logprobs_B_L, old[k][j] if old is not None else lp, mb.count_B_L)
                 loss, m = packed_loss(
                     lp,
                     mb,
@@ -259,24 +226,17 @@ def update_packed(
                 loss.backward()
             ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for key, v in m.items():
-                add(key, v)
+                tally.add(key, v)
             with torch.no_grad():
                 assert ent is not None
-                add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
+                tally.add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
             tokens_paths += mb.n_path_tokens
             tokens_packed += mb.n_packed_tokens
             del lp, ent, loss  # this micro-batch's graph, before the next forward
-        add("actor/ratio_max", ratio_max)
-        ratio_maxes.append(ratio_max)
-        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
-            skipped += 1
+        tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    if skipped:
-        sums["update/skipped_steps"] = float(skipped)
-    sums["update/tokens_paths"] = float(tokens_paths)  # what a per-path update would compute
-    sums["update/tokens_packed"] = float(tokens_packed)
-    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
-    return par.merge(sums, ratio_maxes, (diff_sum, diff_count)) if par.active else sums
+    tokens = {"update/tokens_paths": float(tokens_paths), "update/tokens_packed": float(tokens_packed)}
+    return tally.metrics(par, tokens)  # tokens_paths: what a per-path update would compute
 
 
 @torch.no_grad()
@@ -304,14 +264,12 @@ def _plan_logprobs(
 
 
 def update_paths(
-    model: torch.nn.Module,
-    ref_model: Reference | None,
+    policy: Policy,
     optimizer: torch.optim.Optimizer,
     seqs: Sequence[TrainSequence],
     cfg: TrainConfig,
     loss_cfg: LossConfig,
     pad_id: int,
-    par: Parallel = SINGLE,
     minis: list[list[int]] | None = None,
 ) -> dict[str, float]:
     """PPO-clip over ``cfg.mini_batches`` optimizer steps, one padded row per path; each
@@ -320,6 +278,7 @@ def update_paths(
     policy tokens, longest path) so the sum equals the whole-mini-batch loss in every mode.
     ``minis``: the indices into ``seqs`` of each mini-batch (default: ``cfg.mini_batches``
     contiguous chunks)."""
+    model, ref_model, par = policy.model, policy.reference, policy.parallel
     model.train()
     if minis is None:
         minis = split_minibatches(len(seqs), cfg.mini_batches)
@@ -344,30 +303,20 @@ def update_paths(
     if par.active:  # the same number of micro-batches on every rank: empty ones
         for mbs, n_mb in zip(micro, par.padded([len(m) for m in micro]), strict=True):
             mbs.extend([] for _ in range(n_mb - len(mbs)))
-    sums: dict[str, float] = {}
-    diff_sum = diff_count = 0.0
-    ratio_maxes: list[float] = []
-    grad_model = par.grad_module(model)
-
-    def add(key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + value / len(minis)
-
-    skipped = 0
+    tally = _Tally(len(minis))
+    grad_model = policy.grad_module()
     for mbs, norm in zip(micro, norms, strict=True):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
         for j, ids in enumerate(mbs):
             mb = collate([seqs[i] for i in ids] if ids else [_EMPTY], pad_id).to(cfg.device)
-            with par.sync(last=j == len(mbs) - 1):
+            with policy.sync(last=j == len(mbs) - 1):
                 lp, ent = token_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
                 )
                 old_lp = _gather(old, ids, lp)
-                with torch.no_grad():  # engine vs trainer, before any step (old = the policy that sampled)
-                    before = old_lp if old_lp is not None else lp
-                    pm = mb.policy_mask_B_T
-                    diff_sum += float(((mb.sample_logprobs_B_T - before).abs() * pm).sum())
-                    diff_count += float(pm.sum())
+                before = old_lp if old_lp is not None else lp  # old = the policy that sampled
+                tally.engine_diff(mb.sample_logprobs_B_T, before, mb.policy_mask_B_T)
                 loss, m = compute_loss(
                     lp,
                     old_lp,
@@ -383,19 +332,55 @@ def update_paths(
             token_share = float(mb.policy_mask_B_T.sum()) / max(norm.n_tokens, 1.0)
             ratio_max = max(ratio_max, m.pop("actor/ratio_max", 0.0))
             for k, v in m.items():
-                add(k, v if k.startswith("loss/") else v * token_share)
+                tally.add(k, v if k.startswith("loss/") else v * token_share)
             with torch.no_grad():
-                add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
+                tally.add("actor/entropy", float((ent * mb.policy_mask_B_T).sum()) / max(norm.n_tokens, 1.0))
             del lp, ent, loss  # this micro-batch's graph, before the next forward
-        add("actor/ratio_max", ratio_max)
-        ratio_maxes.append(ratio_max)
-        if not clip_and_step(model, optimizer, cfg.grad_clip, add):
-            skipped += 1
+        tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    if skipped:
-        sums["update/skipped_steps"] = float(skipped)
-    sums["rollout/logprob_diff"] = diff_sum / max(diff_count, 1.0)
-    return par.merge(sums, ratio_maxes, (diff_sum, diff_count)) if par.active else sums
+    return tally.metrics(par)
+
+
+class _Tally:
+    """The metrics of one update, as both implementations report them: means over its ``n_minis``
+    mini-batches (:meth:`add`), the engine-vs-trainer log-prob difference, each mini-batch's
+    ratio maximum and the optimizer steps skipped (a non-finite gradient)."""
+
+    def __init__(self, n_minis: int) -> None:
+        self.n_minis = n_minis
+        self.sums: dict[str, float] = {}
+        self.diff_sum = self.diff_count = 0.0
+        self.ratio_maxes: list[float] = []
+        self.skipped = 0
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value / self.n_minis
+
+    @torch.no_grad()
+    def engine_diff(self, sampled: torch.Tensor, before: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add ``|engine − trainer|`` log-probs, weighted, before any step (``before``: the old
+        log-probs, i.e. the policy that sampled, else the current ones)."""
+        self.diff_sum += float(((sampled - before).abs() * weight).sum())
+        self.diff_count += float(weight.sum())
+
+    def step(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, ratio_max: float
+    ) -> None:
+        """End of a mini-batch: its ratio maximum, then the clipped optimizer step (or a skip)."""
+        self.add("actor/ratio_max", ratio_max)
+        self.ratio_maxes.append(ratio_max)
+        if not clip_and_step(model, optimizer, grad_clip, self.add):
+            self.skipped += 1
+
+    def metrics(self, par: Parallel, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """The update's metrics (``extra`` after the skip count), merged over the ranks."""
+        sums = self.sums
+        if self.skipped:
+            sums["update/skipped_steps"] = float(self.skipped)
+        sums.update(extra or {})
+        sums["rollout/logprob_diff"] = self.diff_sum / max(self.diff_count, 1.0)
+        diff = (self.diff_sum, self.diff_count)
+        return par.merge(sums, self.ratio_maxes, diff) if par.active else sums
 
 
 _EMPTY = TrainSequence([0, 0], [0, 0], [0.0, 0.0], [0.0, 0.0])
