@@ -44,6 +44,10 @@ from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
 from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
+#: The modules whose code decides every tiny agent's weights (the context encoding, the model, the
+#: warm-up, this recipe); a family's ``weight_modules`` add its own (problems or world, demos, env).
+RECIPE_MODULES = ("treegrpo.rollout.agent", "treegrpo.models.tiny", "treegrpo.train.warmup", "treegrpo.tasks.recipe")
+
 
 def recipe_hash(version: int, weight_modules: Sequence[str], settings: dict[str, Any]) -> str:
     """A short hash of everything that decides a bootstrapped model's weights: the recipe
@@ -333,6 +337,7 @@ def is_complete(folder: str | Path) -> bool:
 
 
 __all__ = [
+    "RECIPE_MODULES",
     "LoopRecipeConfig",
     "Metrics",
     "Prepared",

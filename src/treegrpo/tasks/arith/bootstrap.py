@@ -23,6 +23,7 @@ from typing import Any
 from treegrpo.envs.base import Task
 from treegrpo.models.loader import tiny_info
 from treegrpo.rollout.agent import AgentConfig, RolloutResult
+from treegrpo.tasks import recipe
 from treegrpo.tasks.arith.problems import (
     ANSWER_START,
     ArithConfig,
@@ -31,34 +32,16 @@ from treegrpo.tasks.arith.problems import (
     build_problems,
     worked_solution,
 )
-from treegrpo.tasks.recipe import (
-    Prepared,
-    Recipe,
-    RecipeConfig,
-    build_tiny_agent,
-    cache_folder,
-    chain_summary,
-    digit_tokenizer,
-    is_complete,
-    measure,
-)
 from treegrpo.train.warmup import Demo
 
 ARITH_BOOTSTRAP_VERSION = 1
 # The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
 # to any of them is a new cache key.
-WEIGHT_MODULES = (
-    "treegrpo.rollout.agent",
-    "treegrpo.models.tiny",
-    "treegrpo.tasks.arith.problems",
-    "treegrpo.tasks.arith.bootstrap",
-    "treegrpo.train.warmup",
-    "treegrpo.tasks.recipe",
-)
+WEIGHT_MODULES = (*recipe.RECIPE_MODULES, "treegrpo.tasks.arith.problems", "treegrpo.tasks.arith.bootstrap")
 
 
 @dataclass(frozen=True)
-class ArithBootstrapConfig(RecipeConfig):
+class ArithBootstrapConfig(recipe.RecipeConfig):
     """Everything that determines the arithmetic starting policy: the shared knobs
     (:class:`~treegrpo.tasks.recipe.RecipeConfig`: warm-up, seed, tokenizer and Qwen2 shape,
     ``n_eval``) at this task's defaults, and
@@ -71,18 +54,18 @@ class ArithBootstrapConfig(RecipeConfig):
         max_new_tokens: the response length cap (one generation).
     """
 
-    version = ARITH_BOOTSTRAP_VERSION
-    weight_modules = WEIGHT_MODULES
-
     problems: ArithConfig = field(default_factory=ArithConfig)
     p_guess: float = 0.2
     p_slip: float = 0.1
     n_demos: int = 8000
     max_new_tokens: int = 64
+    n_eval: int | None = 256
     vocab_size: int = 320
     max_positions: int = 256
     epochs: int = 3
-    n_eval: int | None = 256
+
+    version = ARITH_BOOTSTRAP_VERSION  # (class attributes, not settings)
+    weight_modules = WEIGHT_MODULES
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         """Agent-loop settings for this task: one turn, ``max_new_tokens`` per generation."""
@@ -121,30 +104,30 @@ def make_arith_demos(tasks: Sequence[Task], env: ArithEnv, cfg: ArithBootstrapCo
 def arith_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
     """A byte-level BPE (:func:`treegrpo.models.tiny.train_tokenizer`) whose pre-tokenizer splits
     every digit into its own token, wrapped as a ``PreTrainedTokenizerFast``."""
-    return digit_tokenizer(texts, vocab_size)
+    return recipe.digit_tokenizer(texts, vocab_size)
 
 
 def arith_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
     """:func:`~treegrpo.tasks.recipe.chain_summary` and ``guess`` (the fraction that answered
     without working)."""
     leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
-    return {**chain_summary(res), "guess": sum(x.text.startswith(ANSWER_START) for x in leaves) / max(1, len(leaves))}
+    return {**recipe.chain_summary(res), "guess": sum(x.text.startswith(ANSWER_START) for x in leaves) / max(1, len(leaves))}
 
 
 #: Success of a model on arithmetic tasks, one chain per task through the real agent loop:
 #: ``measure_arith(model, tokenizer, env, tasks, agent_cfg, seed=0)`` (:func:`arith_metrics`).
-measure_arith = partial(measure, arith_metrics)
+measure_arith = partial(recipe.measure, arith_metrics)
 
 
-def _prepare(cfg: ArithBootstrapConfig, rng: random.Random) -> Prepared:
+def _prepare(cfg: ArithBootstrapConfig, rng: random.Random) -> recipe.Prepared:
     problems = build_problems(cfg.problems)
     env = ArithEnv()
     demos = make_arith_demos(problems.tasks("warmup"), env, cfg, rng)
     record = {"task": "arith", "arith_bootstrap_version": cfg.version, "problems": cfg.problems.to_dict()}
-    return Prepared(env, demos, problems.tasks("eval"), record)
+    return recipe.Prepared(env, demos, problems.tasks("eval"), record)
 
 
-ARITH_RECIPE = Recipe("arith", "treegrpo-arith-bootstrap", _prepare, arith_tokenizer, arith_metrics)
+ARITH_RECIPE = recipe.Recipe("arith", "treegrpo-arith-bootstrap", _prepare, arith_tokenizer, arith_metrics)
 
 
 def bootstrap_arith(
@@ -157,17 +140,17 @@ def bootstrap_arith(
 
     ``threads``: torch intra-op threads while building (restored afterwards; ``None`` or 0 leaves them).
     """
-    return build_tiny_agent(ARITH_RECIPE, folder, cfg or ArithBootstrapConfig(), progress, threads or None)
+    return recipe.build_tiny_agent(ARITH_RECIPE, folder, cfg or ArithBootstrapConfig(), progress, threads or None)
 
 
 def arith_model_dir(cfg: ArithBootstrapConfig | None = None) -> Path:
     """Where the arithmetic starting policy of ``cfg`` is cached: ``user_cache_dir()/models/arith-<hash>``."""
-    return cache_folder("arith", cfg or ArithBootstrapConfig())
+    return recipe.cache_folder("arith", cfg or ArithBootstrapConfig())
 
 
 def is_arith_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete arithmetic starting policy (its record is written last)."""
-    return is_complete(folder)
+    return recipe.is_complete(folder)
 
 
 def ensure_arith_bootstrapped(

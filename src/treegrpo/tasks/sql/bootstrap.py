@@ -19,17 +19,7 @@ from typing import Any
 from treegrpo.envs.base import Task
 from treegrpo.models.loader import tiny_info
 from treegrpo.rollout.agent import RolloutResult
-from treegrpo.tasks.recipe import (
-    LoopRecipeConfig,
-    Prepared,
-    Recipe,
-    build_tiny_agent,
-    cache_folder,
-    chain_summary,
-    digit_tokenizer,
-    is_complete,
-    measure,
-)
+from treegrpo.tasks import recipe
 from treegrpo.tasks.sql.demos import make_demos
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import SqlConfig, build_problems
@@ -38,20 +28,17 @@ SQL_BOOTSTRAP_VERSION = 1
 SQL_TAGS = ("<sql>", "</sql>", "<result>", "</result>")
 # The modules whose code decides the weights: a change to any of them is a new cache key.
 WEIGHT_MODULES = (
-    "treegrpo.rollout.agent",
-    "treegrpo.models.tiny",
+    *recipe.RECIPE_MODULES,
     "treegrpo.tasks.sql.tool",
     "treegrpo.tasks.sql.env",
     "treegrpo.tasks.sql.problems",
     "treegrpo.tasks.sql.demos",
     "treegrpo.tasks.sql.bootstrap",
-    "treegrpo.train.warmup",
-    "treegrpo.tasks.recipe",
 )
 
 
 @dataclass(frozen=True)
-class SqlBootstrapConfig(LoopRecipeConfig):
+class SqlBootstrapConfig(recipe.LoopRecipeConfig):
     """Everything that determines the SQL starting policy: the shared knobs
     (:class:`~treegrpo.tasks.recipe.LoopRecipeConfig`: warm-up, seed, tokenizer and Qwen2 shape,
     agent-loop limits, ``n_eval``) at this task's defaults, and
@@ -61,9 +48,6 @@ class SqlBootstrapConfig(LoopRecipeConfig):
         p_stale / p_guess / p_one_leg: the demo imperfections (:mod:`treegrpo.tasks.sql.demos`).
         n_demos: demonstrations, cycling through the ``warmup`` problems.
     """
-
-    version = SQL_BOOTSTRAP_VERSION
-    weight_modules = WEIGHT_MODULES
 
     problems: SqlConfig = field(default_factory=SqlConfig)
     p_stale: float = 0.2
@@ -79,32 +63,35 @@ class SqlBootstrapConfig(LoopRecipeConfig):
     pack_len: int = 384
     n_eval: int | None = 200
 
+    version = SQL_BOOTSTRAP_VERSION  # (class attributes, not settings)
+    weight_modules = WEIGHT_MODULES
+
 
 def sql_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
     """Byte-level BPE with digits split and the SQL tags whole, as a ``PreTrainedTokenizerFast``."""
-    return digit_tokenizer(texts, vocab_size, extra_tokens=SQL_TAGS)
+    return recipe.digit_tokenizer(texts, vocab_size, extra_tokens=SQL_TAGS)
 
 
 def sql_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
     """:func:`~treegrpo.tasks.recipe.chain_summary` and ``state_ok`` (the fraction that answered
     with the right final database)."""
     leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
-    return {**chain_summary(res), "state_ok": sum(bool(x.extra.get("state_ok")) for x in leaves) / max(1, len(leaves))}
+    return {**recipe.chain_summary(res), "state_ok": sum(bool(x.extra.get("state_ok")) for x in leaves) / max(1, len(leaves))}
 
 
 #: Success of a model on SQL tasks, one chain per task through the real agent loop:
 #: ``measure_sql(model, tokenizer, env, tasks, agent_cfg, seed=0)`` (:func:`sql_metrics`).
-measure_sql = partial(measure, sql_metrics)
+measure_sql = partial(recipe.measure, sql_metrics)
 
 
-def _prepare(cfg: SqlBootstrapConfig, rng: random.Random) -> Prepared:
+def _prepare(cfg: SqlBootstrapConfig, rng: random.Random) -> recipe.Prepared:
     problems = build_problems(cfg.problems)
     env = SqlEnv()
     demos = make_demos(env, problems.tasks("warmup"), cfg, rng)
-    return Prepared(env, demos, problems.tasks("eval"), {"task": "sql", "sql_bootstrap_version": cfg.version})
+    return recipe.Prepared(env, demos, problems.tasks("eval"), {"task": "sql", "sql_bootstrap_version": cfg.version})
 
 
-SQL_RECIPE = Recipe("sql", "treegrpo-sql-bootstrap", _prepare, sql_tokenizer, sql_metrics)
+SQL_RECIPE = recipe.Recipe("sql", "treegrpo-sql-bootstrap", _prepare, sql_tokenizer, sql_metrics)
 
 
 def bootstrap_sql(folder: str | Path, cfg: SqlBootstrapConfig | None = None, progress: bool = True, threads: int | None = 1) -> Path:
@@ -112,17 +99,17 @@ def bootstrap_sql(folder: str | Path, cfg: SqlBootstrapConfig | None = None, pro
     recipe (:func:`~treegrpo.tasks.recipe.build_tiny_agent`): draw the problems, make the demos
     through the env, train the tokenizer, build and warm up the model, measure it on the ``eval``
     split (sampled at T=1 and greedy), save it with its record."""
-    return build_tiny_agent(SQL_RECIPE, folder, cfg or SqlBootstrapConfig(), progress, threads)
+    return recipe.build_tiny_agent(SQL_RECIPE, folder, cfg or SqlBootstrapConfig(), progress, threads)
 
 
 def sql_model_dir(cfg: SqlBootstrapConfig | None = None) -> Path:
     """Where the SQL starting policy of ``cfg`` is cached: ``user_cache_dir()/models/sql-<hash>``."""
-    return cache_folder("sql", cfg or SqlBootstrapConfig())
+    return recipe.cache_folder("sql", cfg or SqlBootstrapConfig())
 
 
 def is_sql_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete SQL starting policy (its record is written last)."""
-    return is_complete(folder)
+    return recipe.is_complete(folder)
 
 
 def ensure_sql_bootstrapped(cfg: SqlBootstrapConfig | None = None, progress: bool = True, force: bool = False) -> Path:

@@ -23,16 +23,7 @@ from treegrpo.envs.search import SearchEnv
 from treegrpo.io import user_cache_dir
 from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.rollout.agent import AgentConfig, RolloutResult
-from treegrpo.tasks.recipe import (
-    LoopRecipeConfig,
-    Prepared,
-    Recipe,
-    bpe_tokenizer,
-    build_tiny_agent,
-    chain_summary,
-    is_complete,
-    measure,
-)
+from treegrpo.tasks import recipe
 from treegrpo.tasks.world.demos import aux_demo_tasks, aux_worlds, make_demos, make_env
 from treegrpo.tasks.world.world import World, WorldConfig, build_world, get_preset
 
@@ -40,22 +31,19 @@ BOOTSTRAP_VERSION = 2  # bump when the recipe changes, so cached folders are reb
 # The modules whose code decides the weights (world, demos, tokenizer, model, warm-up, the context
 # encoding): a change to any of them is a new cache key, so a cached model is what this code builds.
 WEIGHT_MODULES = (
+    *recipe.RECIPE_MODULES,
     "treegrpo.envs.search",
     "treegrpo.envs.rewards",
     "treegrpo.retrieval.base",
     "treegrpo.retrieval.bm25",
-    "treegrpo.rollout.agent",
-    "treegrpo.models.tiny",
     "treegrpo.tasks.world.world",
     "treegrpo.tasks.world.demos",
     "treegrpo.tasks.world.bootstrap",
-    "treegrpo.train.warmup",
-    "treegrpo.tasks.recipe",
 )
 
 
 @dataclass(frozen=True)
-class BootstrapConfig(LoopRecipeConfig):
+class BootstrapConfig(recipe.LoopRecipeConfig):
     """Everything that determines a bootstrapped starting policy: the shared knobs
     (:class:`~treegrpo.tasks.recipe.LoopRecipeConfig`: the warm-up, ``seed``, the tokenizer and
     Qwen2 shape, the agent-loop limits, ``n_eval``, ``eval_batch_size``), whose defaults are this
@@ -87,21 +75,21 @@ class BootstrapConfig(LoopRecipeConfig):
     per step that carries the decision.
     """
 
-    version = BOOTSTRAP_VERSION
-    weight_modules = WEIGHT_MODULES
-
     preset: str = "default"
     world: WorldConfig | None = None
     world_seed: int | None = None
     topk: int = 3
     prompt_template: str = "minimal"
+    layers: int = 3
+    threads: int | None = 1
     p_guess: float = 0.0
     p_shortcut: float = 0.7
     p_bad_query: float = 0.05
     demos_per_question: int = 1
     aux_worlds: int = 6
-    layers: int = 3
-    threads: int | None = 1
+
+    version = BOOTSTRAP_VERSION  # (class attributes, not settings)
+    weight_modules = WEIGHT_MODULES
 
     def world_config(self) -> WorldConfig:
         """The world this bootstrap uses."""
@@ -142,7 +130,7 @@ def search_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
             early += int(answered and budget.tool_calls < hops)
     n = len(tasks)
     return {
-        **chain_summary(res),
+        **recipe.chain_summary(res),
         "success_by_hops": {str(h): sum(v) / len(v) for h, v in sorted(by_hops.items())},
         "answer_after_one_search": one_search / max(1, n),
         "early_answer": early / max(1, multi),
@@ -154,10 +142,10 @@ def search_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
 #: engine + the ``chain`` sampler, one chain per task):
 #: ``measure_policy(model, tokenizer, env, tasks, agent_cfg, seed=0, max_batch_size=None)``
 #: (:func:`search_metrics`).
-measure_policy = partial(measure, search_metrics)
+measure_policy = partial(recipe.measure, search_metrics)
 
 
-def _prepare(cfg: BootstrapConfig, rng: random.Random) -> Prepared:
+def _prepare(cfg: BootstrapConfig, rng: random.Random) -> recipe.Prepared:
     """The world; imperfect demos on its ``warmup`` split and on the auxiliary worlds, through the real env."""
     world_cfg = cfg.world_config()
     world = build_world(world_cfg)
@@ -174,10 +162,10 @@ def _prepare(cfg: BootstrapConfig, rng: random.Random) -> Prepared:
         "env": {"topk": cfg.topk, "prompt_template": cfg.prompt_template, "metric": env.metric},
     }
     note = f"{world.stats['passages']} passages; "
-    return Prepared(env, demos, world.tasks("eval"), record, corpus=world.texts(), note=note)
+    return recipe.Prepared(env, demos, world.tasks("eval"), record, corpus=world.texts(), note=note)
 
 
-WORLD_RECIPE = Recipe("world", "treegrpo-bootstrap", _prepare, bpe_tokenizer, search_metrics)
+WORLD_RECIPE = recipe.Recipe("world", "treegrpo-bootstrap", _prepare, recipe.bpe_tokenizer, search_metrics)
 
 
 def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: bool = True) -> Path:
@@ -191,7 +179,7 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
     folder beside ``folder`` and renamed into place.
     """
     cfg = cfg or BootstrapConfig()
-    return build_tiny_agent(WORLD_RECIPE, folder, cfg, progress, cfg.threads)
+    return recipe.build_tiny_agent(WORLD_RECIPE, folder, cfg, progress, cfg.threads)
 
 
 def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
@@ -206,7 +194,7 @@ def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
 
 def is_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete bootstrapped model (written last, atomically)."""
-    return is_complete(folder)
+    return recipe.is_complete(folder)
 
 
 def ensure_bootstrapped(
