@@ -230,14 +230,20 @@ def measure(
     return metrics(tasks, res)
 
 
-def chain_summary(res: RolloutResult) -> dict[str, Any]:
-    """What every measurement reports: ``success`` (mean reward), ``answered`` (fraction that
-    ended with a well-formed answer), ``tool_calls``, ``invalid_actions`` and ``generated_tokens``
-    (means per trajectory), ``n`` (trajectories) and ``wall_s``."""
-    leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
+def final_leaves(res: RolloutResult) -> list[Any]:
+    """The last node of every sampled trajectory, in task order."""
+    return [leaf for f in res.forests for _, leaf in f.leaves()]
+
+
+def chain_summary(res: RolloutResult, keys: Sequence[str], **extra: Any) -> dict[str, Any]:
+    """A measurement's report: the figures named by ``keys``, in that order, from the common ones
+    — ``success`` (mean reward), ``answered`` (fraction that ended with a well-formed answer),
+    ``tool_calls``, ``invalid_actions`` and ``generated_tokens`` (means per trajectory), ``n``
+    (trajectories), ``wall_s`` — and a family's own ``extra`` ones."""
+    leaves = final_leaves(res)
     n = max(1, len(leaves))
     total = res.total()
-    return {
+    figures = {
         "success": sum(float(x.reward or 0.0) for x in leaves) / n,
         "answered": sum(x.extra.get("kind") == "answer" for x in leaves) / n,
         "tool_calls": total.tool_calls / n,
@@ -245,7 +251,9 @@ def chain_summary(res: RolloutResult) -> dict[str, Any]:
         "generated_tokens": total.generated_tokens / n,
         "n": len(leaves),
         "wall_s": res.wall_s,
+        **extra,
     }
+    return {k: figures[k] for k in keys}
 
 
 def build_tiny_agent(
@@ -348,6 +356,7 @@ __all__ = [
     "cache_folder",
     "chain_summary",
     "digit_tokenizer",
+    "final_leaves",
     "is_complete",
     "measure",
     "recipe_hash",

@@ -107,11 +107,16 @@ def arith_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
     return recipe.digit_tokenizer(texts, vocab_size)
 
 
+#: What an arithmetic measurement reports, in this order (:func:`arith_metrics`).
+ARITH_METRICS = ("success", "answered", "guess", "generated_tokens", "n", "wall_s")
+
+
 def arith_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
-    """:func:`~treegrpo.tasks.recipe.chain_summary` and ``guess`` (the fraction that answered
-    without working)."""
-    leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
-    return {**recipe.chain_summary(res), "guess": sum(x.text.startswith(ANSWER_START) for x in leaves) / max(1, len(leaves))}
+    """The :data:`ARITH_METRICS` (:func:`~treegrpo.tasks.recipe.chain_summary`), ``guess`` being the
+    fraction that answered without working."""
+    leaves = recipe.final_leaves(res)
+    guess = sum(x.text.startswith(ANSWER_START) for x in leaves) / max(1, len(leaves))
+    return recipe.chain_summary(res, ARITH_METRICS, guess=guess)
 
 
 #: Success of a model on arithmetic tasks, one chain per task through the real agent loop:
@@ -209,6 +214,7 @@ def arith_run_parts(cfg: Any, model_dir: str | Path) -> tuple[ArithEnv, list[Tas
 
 
 __all__ = [
+    "ARITH_METRICS",
     "ARITH_RECIPE",
     "ArithBootstrapConfig",
     "ArithSetup",

@@ -72,11 +72,16 @@ def sql_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
     return recipe.digit_tokenizer(texts, vocab_size, extra_tokens=SQL_TAGS)
 
 
+#: What a SQL measurement reports, in this order (:func:`sql_metrics`).
+SQL_METRICS = ("success", "state_ok", "answered", "tool_calls", "generated_tokens", "n", "wall_s")
+
+
 def sql_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
-    """:func:`~treegrpo.tasks.recipe.chain_summary` and ``state_ok`` (the fraction that answered
-    with the right final database)."""
-    leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
-    return {**recipe.chain_summary(res), "state_ok": sum(bool(x.extra.get("state_ok")) for x in leaves) / max(1, len(leaves))}
+    """The :data:`SQL_METRICS` (:func:`~treegrpo.tasks.recipe.chain_summary`), ``state_ok`` being the
+    fraction that answered with the right final database."""
+    leaves = recipe.final_leaves(res)
+    state_ok = sum(bool(x.extra.get("state_ok")) for x in leaves) / max(1, len(leaves))
+    return recipe.chain_summary(res, SQL_METRICS, state_ok=state_ok)
 
 
 #: Success of a model on SQL tasks, one chain per task through the real agent loop:
@@ -127,6 +132,7 @@ def recorded_config(model_dir: str | Path) -> SqlBootstrapConfig:
 
 
 __all__ = [
+    "SQL_METRICS",
     "SQL_RECIPE",
     "SQL_TAGS",
     "SqlBootstrapConfig",

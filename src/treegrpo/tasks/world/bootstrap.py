@@ -111,11 +111,27 @@ class BootstrapConfig(recipe.LoopRecipeConfig):
         return d
 
 
+#: What a search-world measurement reports, in this order (:func:`search_metrics`).
+SEARCH_METRICS = (
+    "success",
+    "success_by_hops",
+    "tool_calls",
+    "answer_after_one_search",
+    "early_answer",
+    "no_search_answer",
+    "invalid_actions",
+    "generated_tokens",
+    "n",
+    "wall_s",
+)
+
+
 def search_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
-    """:func:`~treegrpo.tasks.recipe.chain_summary` and the search behaviour: ``success_by_hops``,
-    ``answer_after_one_search`` (fraction of trajectories that answered after exactly one search),
-    ``early_answer`` (fraction of multi-hop trajectories that answered with fewer searches than
-    hops) and ``no_search_answer`` (answered without searching)."""
+    """The :data:`SEARCH_METRICS` (:func:`~treegrpo.tasks.recipe.chain_summary`), the search
+    behaviour among them: ``success_by_hops``, ``answer_after_one_search`` (fraction of
+    trajectories that answered after exactly one search), ``early_answer`` (fraction of multi-hop
+    trajectories that answered with fewer searches than hops) and ``no_search_answer`` (answered
+    without searching)."""
     by_hops: dict[int, list[float]] = {}
     one_search = early = multi = no_search = 0
     for task, forest, budget in zip(tasks, res.forests, res.budgets, strict=True):
@@ -128,14 +144,15 @@ def search_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
         if hops > 1:
             multi += 1
             early += int(answered and budget.tool_calls < hops)
-    n = len(tasks)
-    return {
-        **recipe.chain_summary(res),
-        "success_by_hops": {str(h): sum(v) / len(v) for h, v in sorted(by_hops.items())},
-        "answer_after_one_search": one_search / max(1, n),
-        "early_answer": early / max(1, multi),
-        "no_search_answer": no_search / max(1, n),
-    }
+    n = max(1, len(tasks))
+    return recipe.chain_summary(
+        res,
+        SEARCH_METRICS,
+        success_by_hops={str(h): sum(v) / len(v) for h, v in sorted(by_hops.items())},
+        answer_after_one_search=one_search / n,
+        early_answer=early / max(1, multi),
+        no_search_answer=no_search / n,
+    )
 
 
 #: Success and search behaviour of a model on ``tasks`` through the real agent loop (the ``hf``
@@ -237,6 +254,7 @@ def load_setup(folder: str | Path) -> BootstrapSetup:
 
 
 __all__ = [
+    "SEARCH_METRICS",
     "WORLD_RECIPE",
     "BootstrapConfig",
     "BootstrapSetup",
