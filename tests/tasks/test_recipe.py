@@ -5,6 +5,7 @@ when each family wrote the recipe out itself."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -16,6 +17,7 @@ from treegrpo.tasks.arith.bootstrap import ArithBootstrapConfig, arith_metrics
 from treegrpo.tasks.arith.problems import ArithConfig
 from treegrpo.tasks.sql.bootstrap import WEIGHT_MODULES as SQL_MODULES
 from treegrpo.tasks.sql.bootstrap import SqlBootstrapConfig, sql_metrics
+from treegrpo.tasks.sql.problems import SqlConfig
 from treegrpo.tasks.world.bootstrap import WEIGHT_MODULES as WORLD_MODULES
 from treegrpo.tasks.world.bootstrap import BootstrapConfig, search_metrics
 from treegrpo.train.warmup import WarmupConfig
@@ -160,3 +162,12 @@ def test_a_family_config_must_say_its_agent_loop() -> None:
 
     with pytest.raises(NotImplementedError, match="Bare"):
         Bare().agent_config()
+
+
+def test_settings_records_read_back_tuples_and_nested_settings() -> None:
+    cfg = ArithConfig(ops=("+",), n_eval=8)
+    record = json.loads(json.dumps(ArithBootstrapConfig(problems=cfg).to_dict()))  # tuples become lists
+    assert record["problems"]["ops"] == ["+"]
+    back = ArithBootstrapConfig.from_dict(record)
+    assert back.problems == cfg and back.problems.ops == ("+",)
+    assert SqlConfig.from_dict({"kinds": ["deposit"], "n_eval": 3}) == SqlConfig(kinds=("deposit",), n_eval=3)

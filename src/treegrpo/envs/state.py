@@ -91,6 +91,7 @@ class StepEachState:
     def step(
         self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool], states: Sequence[Any] | None = None
     ) -> list[StepOutcome]:
+        """Each trajectory's :meth:`step_one` on its live state (class docstring)."""
         env: Any = self  # the env that mixes this in has initial_state and close_state
         out = []
         for i, (task, text, allowed) in enumerate(zip(tasks, steps, search_allowed, strict=True)):

@@ -42,11 +42,19 @@ from treegrpo.progress import phase, progress_bars, torch_threads
 from treegrpo.rollout.agent import AgentConfig, RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
+from treegrpo.tasks.common import Settings
 from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
 #: The modules whose code decides every tiny agent's weights (the context encoding, the model, the
-#: warm-up, this recipe); a family's ``weight_modules`` add its own (problems or world, demos, env).
-RECIPE_MODULES = ("treegrpo.rollout.agent", "treegrpo.models.tiny", "treegrpo.train.warmup", "treegrpo.tasks.recipe")
+#: warm-up, the splits and settings records, this recipe); a family's ``weight_modules`` add its
+#: own (problems or world, demos, env).
+RECIPE_MODULES = (
+    "treegrpo.rollout.agent",
+    "treegrpo.models.tiny",
+    "treegrpo.train.warmup",
+    "treegrpo.tasks.common",
+    "treegrpo.tasks.recipe",
+)
 
 
 def recipe_hash(version: int, weight_modules: Sequence[str], settings: dict[str, Any]) -> str:
@@ -65,7 +73,7 @@ def warmup_config_of(cfg: Any) -> WarmupConfig:
 
 
 @dataclass(frozen=True)
-class RecipeConfig(WarmupConfig):
+class RecipeConfig(WarmupConfig, Settings):
     """What every tiny-agent bootstrap config has (a family's config extends it with its own knobs
     and its own defaults).
 
@@ -96,21 +104,6 @@ class RecipeConfig(WarmupConfig):
     max_positions: int = 1024
     n_eval: int | None = None
     eval_batch_size: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Any:
-        """The config a record holds (unknown keys ignored, a nested config rebuilt by its class's
-        ``from_dict``, missing keys at their defaults)."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in fields}
-        for k, v in kw.items():
-            sub = fields[k].default_factory
-            if isinstance(v, dict) and hasattr(sub, "from_dict"):
-                kw[k] = sub.from_dict(v)  # type: ignore[union-attr]
-        return cls(**kw)
 
     def config_hash(self) -> str:
         """A short hash of the settings, the recipe version and the code that runs the recipe."""
