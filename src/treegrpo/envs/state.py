@@ -68,11 +68,7 @@ class StatefulEnv(AgentEnv, Protocol):
         ...
 
     def step(  # type: ignore[override]
-        self,
-        tasks: Sequence[Task],
-        steps: Sequence[str],
-        search_allowed: Sequence[bool],
-        states: Sequence[Any] | None = None,
+        self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool], states: Sequence[Any] | None = None
     ) -> list[StepOutcome]:
         """Like :meth:`AgentEnv.step`; ``states[i]`` is trajectory ``i``'s live state, changed in
         place by its action (``None``: each step starts from ``initial_state``)."""
@@ -81,6 +77,33 @@ class StatefulEnv(AgentEnv, Protocol):
     def close_state(self, state: Any) -> None:
         """Release a handle (a live state, a snapshot or a fork)."""
         ...
+
+
+class StepEachState:
+    """The ``step`` of a :class:`StatefulEnv` whose trajectories act one at a time: the env says
+    what one action does to one live state (``step_one``), this runs a batch.
+
+    ``step`` hands ``step_one(task, text, allowed, state)`` each trajectory's task, step text,
+    whether a tool call is still allowed, and its live state ``states[i]`` (changed in place); a
+    call without ``states`` (a single-turn sampler) gives each step a fresh ``initial_state(task)``,
+    closed (``close_state``) right after it."""
+
+    def step(
+        self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool], states: Sequence[Any] | None = None
+    ) -> list[StepOutcome]:
+        """Each trajectory's :meth:`step_one` on its live state (class docstring)."""
+        env: Any = self  # the env that mixes this in has initial_state and close_state
+        out = []
+        for i, (task, text, allowed) in enumerate(zip(tasks, steps, search_allowed, strict=True)):
+            state = env.initial_state(task) if states is None else states[i]
+            out.append(self.step_one(task, text, allowed, state))
+            if states is None:
+                env.close_state(state)
+        return out
+
+    def step_one(self, task: Task, text: str, allowed: bool, state: Any) -> StepOutcome:
+        """The outcome of ``text`` (trajectory ``task``'s step) on ``state`` (changed in place)."""
+        raise NotImplementedError
 
 
 def state_key(env: Any, state: Any) -> str | None:
@@ -114,4 +137,4 @@ def state_mode(env: Any) -> StateMode:
     return mode  # type: ignore[return-value]
 
 
-__all__ = ["STATE_MODES", "ReplayDivergence", "StateMode", "StatefulEnv", "state_key", "state_mode"]
+__all__ = ["STATE_MODES", "ReplayDivergence", "StateMode", "StatefulEnv", "StepEachState", "state_key", "state_mode"]

@@ -1,7 +1,7 @@
-"""The arithmetic task's starting policy (:func:`bootstrap_arith`): the starting policy is a small Qwen2 warmed up on
-deliberately imperfect worked solutions, through the generic warm-up
-(:mod:`treegrpo.train.warmup`: ``Demo``, ``encode_demos``, ``supervised_warmup``) and the atomic
-folder write. Imperfections, so that the policy solves some problems but far from all and the
+"""The arithmetic task's starting policy (:func:`bootstrap_arith`): a small Qwen2 warmed up on
+deliberately imperfect worked solutions through the one tiny-agent recipe
+(:mod:`treegrpo.tasks.recipe`; this module gives its settings, demos, tokenizer and metrics).
+Imperfections, so that the policy solves some problems but far from all and the
 failures are choices RL can fix:
 
 - ``p_guess``: answer at once, without working, a number near the true one (never the true one);
@@ -14,24 +14,16 @@ The tokenizer splits every digit into its own token (numbers are spelled digit b
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-from tokenizers import pre_tokenizers
-
 from treegrpo.envs.base import Task
-from treegrpo.fingerprint import code_fingerprint
-from treegrpo.io import atomic_write_dir, user_cache_dir
 from treegrpo.models.loader import tiny_info
-from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
-from treegrpo.progress import phase, progress_bars
-from treegrpo.rollout.agent import AgentConfig, StepRunner
-from treegrpo.rollout.engine import make_engine
-from treegrpo.rollout.samplers import SamplerConfig, sample_chains
+from treegrpo.rollout.agent import AgentConfig, RolloutResult
+from treegrpo.tasks import recipe
 from treegrpo.tasks.arith.problems import (
     ANSWER_START,
     ArithConfig,
@@ -40,74 +32,40 @@ from treegrpo.tasks.arith.problems import (
     build_problems,
     worked_solution,
 )
-from treegrpo.tasks.recipe import is_complete, recipe_hash, warmup_config_of
-from treegrpo.train.warmup import Demo, demo_texts, encode_demos, supervised_warmup
+from treegrpo.train.warmup import Demo
 
 ARITH_BOOTSTRAP_VERSION = 1
 # The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
 # to any of them is a new cache key.
-WEIGHT_MODULES = (
-    "treegrpo.rollout.agent",
-    "treegrpo.models.tiny",
-    "treegrpo.tasks.arith.problems",
-    "treegrpo.tasks.arith.bootstrap",
-    "treegrpo.train.warmup",
-    "treegrpo.tasks.recipe",
-)
+WEIGHT_MODULES = (*recipe.RECIPE_MODULES, "treegrpo.tasks.arith.problems", "treegrpo.tasks.arith.bootstrap")
 
 
 @dataclass(frozen=True)
-class ArithBootstrapConfig:
-    """Everything that determines the arithmetic starting policy.
+class ArithBootstrapConfig(recipe.RecipeConfig):
+    """Everything that determines the arithmetic starting policy: the shared knobs
+    (:class:`~treegrpo.tasks.recipe.RecipeConfig`: warm-up, seed, tokenizer and Qwen2 shape,
+    ``n_eval``) at this task's defaults, and
 
     Attributes:
         problems: the problem set (its ``warmup`` split gives the demonstrations).
-        seed: model init, demo imperfections, SFT order and evaluation sampling.
         p_guess: a demo answers at once with a wrong number near the true one.
         p_slip: per step, a demo's written result is off by ±1 (or ±10, one time in four).
         n_demos: demonstrations, cycling through the ``warmup`` problems (independent imperfections).
         max_new_tokens: the response length cap (one generation).
-        vocab_size / hidden_size / layers / heads / kv_heads / intermediate_size / max_positions:
-            tokenizer and Qwen2 shape.
-        epochs / batch_size / lr / weight_decay / warmup_frac / grad_clip: the supervised warm-up
-            (:func:`treegrpo.train.warmup.supervised_warmup`).
-        n_eval: eval problems used to measure the warm-up.
     """
 
     problems: ArithConfig = field(default_factory=ArithConfig)
-    seed: int = 0
     p_guess: float = 0.2
     p_slip: float = 0.1
     n_demos: int = 8000
     max_new_tokens: int = 64
+    n_eval: int | None = 256
     vocab_size: int = 320
-    hidden_size: int = 96
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 256
     max_positions: int = 256
     epochs: int = 3
-    batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_frac: float = 0.05
-    grad_clip: float = 1.0
-    n_eval: int = 256
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ArithBootstrapConfig:
-        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if isinstance(kw.get("problems"), dict):
-            kw["problems"] = ArithConfig.from_dict(kw["problems"])
-        return cls(**kw)
-
-    def config_hash(self) -> str:
-        """A short hash of the settings, the recipe version and the code that runs the recipe."""
-        return recipe_hash(ARITH_BOOTSTRAP_VERSION, WEIGHT_MODULES, self.to_dict())
+    version = ARITH_BOOTSTRAP_VERSION  # (class attributes, not settings)
+    weight_modules = WEIGHT_MODULES
 
     def agent_config(self, temperature: float = 1.0) -> AgentConfig:
         """Agent-loop settings for this task: one turn, ``max_new_tokens`` per generation."""
@@ -146,132 +104,58 @@ def make_arith_demos(tasks: Sequence[Task], env: ArithEnv, cfg: ArithBootstrapCo
 def arith_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
     """A byte-level BPE (:func:`treegrpo.models.tiny.train_tokenizer`) whose pre-tokenizer splits
     every digit into its own token, wrapped as a ``PreTrainedTokenizerFast``."""
-    tok = train_tokenizer(texts, vocab_size=vocab_size)
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    return wrap_tokenizer(tok)
+    return recipe.digit_tokenizer(texts, vocab_size)
 
 
-def measure_arith(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    env: ArithEnv,
-    tasks: Sequence[Task],
-    agent_cfg: Any,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Success of ``model`` on ``tasks``, one chain per task through the real agent loop.
+#: What an arithmetic measurement reports, in this order (:func:`arith_metrics`).
+ARITH_METRICS = ("success", "answered", "guess", "generated_tokens", "n", "wall_s")
 
-    Returns ``success`` (mean reward), ``answered`` (fraction with a well-formed answer),
-    ``guess`` (fraction that answered without working), ``generated_tokens`` (mean per task),
-    ``n`` and ``wall_s``.
-    """
-    runner = StepRunner(make_engine("hf", model, tokenizer), env, tokenizer, agent_cfg)
-    gen = torch.Generator().manual_seed(seed)
-    res = sample_chains(runner, list(tasks), SamplerConfig(name="chain", group_size=1), random.Random(seed), gen)
-    leaves = [leaf for f in res.forests for _, leaf in f.leaves()]
-    n = max(1, len(leaves))
-    return {
-        "success": sum(float(x.reward or 0.0) for x in leaves) / n,
-        "answered": sum(x.extra.get("kind") == "answer" for x in leaves) / n,
-        "guess": sum(x.text.startswith(ANSWER_START) for x in leaves) / n,
-        "generated_tokens": res.total().generated_tokens / n,
-        "n": len(leaves),
-        "wall_s": res.wall_s,
-    }
+
+def arith_metrics(tasks: Sequence[Task], res: RolloutResult) -> dict[str, Any]:
+    """The :data:`ARITH_METRICS` (:func:`~treegrpo.tasks.recipe.chain_summary`), ``guess`` being the
+    fraction that answered without working."""
+    leaves = recipe.final_leaves(res)
+    guess = sum(x.text.startswith(ANSWER_START) for x in leaves) / max(1, len(leaves))
+    return recipe.chain_summary(res, ARITH_METRICS, guess=guess)
+
+
+#: Success of a model on arithmetic tasks, one chain per task through the real agent loop:
+#: ``measure_arith(model, tokenizer, env, tasks, agent_cfg, seed=0)`` (:func:`arith_metrics`).
+measure_arith = partial(recipe.measure, arith_metrics)
+
+
+def _prepare(cfg: ArithBootstrapConfig, rng: random.Random) -> recipe.Prepared:
+    problems = build_problems(cfg.problems)
+    env = ArithEnv()
+    demos = make_arith_demos(problems.tasks("warmup"), env, cfg, rng)
+    record = {"task": "arith", "arith_bootstrap_version": cfg.version, "problems": cfg.problems.to_dict()}
+    return recipe.Prepared(env, demos, problems.tasks("eval"), record)
+
+
+ARITH_RECIPE = recipe.Recipe("arith", "treegrpo-arith-bootstrap", _prepare, arith_tokenizer, arith_metrics)
 
 
 def bootstrap_arith(
     folder: str | Path, cfg: ArithBootstrapConfig | None = None, progress: bool = True, threads: int | None = 1
 ) -> Path:
-    """Build the arithmetic starting policy into ``folder`` (replacing it, atomically).
+    """Build the arithmetic starting policy into ``folder`` (replacing it, atomically) through the
+    one recipe (:func:`~treegrpo.tasks.recipe.build_tiny_agent`): draw the problems; ``n_demos``
+    imperfect demos over the ``warmup`` problems; the digit-split tokenizer; a small Qwen2 warmed up
+    on the demos' policy tokens; measured on the ``eval`` split (sampled at T=1 and greedy).
 
-    ``threads``: torch intra-op threads while building (restored afterwards; ``None`` leaves them).
-    One is the fastest for a model this small, and by far on a shared, busy CPU.
-
-    Steps: draw the problems; ``n_demos`` imperfect demos over the ``warmup`` problems; train the digit-split
-    tokenizer on the demos; build a small Qwen2; warm it up on the demos' policy tokens; measure it
-    on the ``eval`` split (sampled at T=1 and greedy); save with
-    :func:`~treegrpo.models.tiny.save_tiny`, recording everything in ``treegrpo_tiny.json``.
+    ``threads``: torch intra-op threads while building (restored afterwards; ``None`` or 0 leaves them).
     """
-    cfg = cfg or ArithBootstrapConfig()
-    folder = Path(folder)
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _bootstrap_arith(folder, cfg, progress)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _bootstrap_arith(folder: Path, cfg: ArithBootstrapConfig, progress: bool) -> Path:
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    rng = random.Random(f"treegrpo-arith-bootstrap-{cfg.seed}")
-    with progress_bars(progress) as prog:
-        problems = build_problems(cfg.problems)
-        env = ArithEnv()
-        demos = make_arith_demos(problems.tasks("warmup"), env, cfg, rng)
-        tok = arith_tokenizer(demo_texts(demos, env), cfg.vocab_size)
-        runner = StepRunner(None, env, tok, cfg.agent_config())  # type: ignore[arg-type]  # encoding only
-        encoded, _ = encode_demos(runner, demos)  # a step over the loop's cap is never taught
-        timings["demos_and_tokenizer_s"] = time.perf_counter() - t0
-        model = model_for(cfg, tok)
-        n_params = sum(p.numel() for p in model.parameters())
-        phase(prog, f"arith: {len(demos)} demos; vocab {len(tok)}; model {n_params / 1e6:.2f}M params")
-
-        t = time.perf_counter()
-        sft_cfg = warmup_config_of(cfg)
-        sft = supervised_warmup(model, encoded, sft_cfg, tok.pad_token_id, rng, prog)
-        timings["sft_s"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        eval_tasks = problems.tasks("eval")[: cfg.n_eval]
-        sampled = measure_arith(model, tok, env, eval_tasks, cfg.agent_config(1.0), cfg.seed)
-        greedy = measure_arith(model, tok, env, eval_tasks, cfg.agent_config(0.0), cfg.seed)
-        timings["eval_s"] = time.perf_counter() - t
-        timings["total_s"] = time.perf_counter() - t0
-        kinds: dict[str, int] = {}
-        for d in demos:
-            kinds[d.kind] = kinds.get(d.kind, 0) + 1
-        info = {
-            "task": "arith",
-            "arith_bootstrap_version": ARITH_BOOTSTRAP_VERSION,
-            "config": cfg.to_dict(),
-            "config_hash": cfg.config_hash(),
-            "code_fingerprint": code_fingerprint(WEIGHT_MODULES),
-            "problems": cfg.problems.to_dict(),
-            "agent": asdict(cfg.agent_config()),
-            "params": n_params,
-            "demos": {
-                "n": len(demos),
-                "kinds": kinds,
-                "success": sum(d.reward for d in demos) / max(1, len(demos)),
-                "mean_tokens": sum(len(e.ids) for e in encoded) / max(1, len(encoded)),
-            },
-            "sft": sft,
-            "warmup_eval": {"sampled": sampled, "greedy": greedy},
-            "timings": timings,
-        }
-        atomic_write_dir(folder, lambda tmp: save_tiny(model, tok, tmp, info))
-        phase(
-            prog,
-            f"arith: warm-up success sampled {sampled['success']:.3f} / greedy {greedy['success']:.3f}; "
-            f"saved to {folder} in {timings['total_s']:.0f}s",
-        )
-    return folder
+    return recipe.build_tiny_agent(ARITH_RECIPE, folder, cfg or ArithBootstrapConfig(), progress, threads or None)
 
 
 def arith_model_dir(cfg: ArithBootstrapConfig | None = None) -> Path:
     """Where the arithmetic starting policy of ``cfg`` is cached: ``user_cache_dir()/models/arith-<hash>``."""
-    return user_cache_dir() / "models" / f"arith-{(cfg or ArithBootstrapConfig()).config_hash()}"
+    return recipe.cache_folder("arith", cfg or ArithBootstrapConfig())
 
 
 def is_arith_bootstrapped(folder: str | Path) -> bool:
     """``folder`` holds a complete arithmetic starting policy (its record is written last)."""
-    return is_complete(folder)
+    return recipe.is_complete(folder)
 
 
 def ensure_arith_bootstrapped(
@@ -330,8 +214,11 @@ def arith_run_parts(cfg: Any, model_dir: str | Path) -> tuple[ArithEnv, list[Tas
 
 
 __all__ = [
+    "ARITH_METRICS",
+    "ARITH_RECIPE",
     "ArithBootstrapConfig",
     "ArithSetup",
+    "arith_metrics",
     "arith_model_dir",
     "arith_run_parts",
     "arith_tokenizer",

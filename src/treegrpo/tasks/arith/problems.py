@@ -31,13 +31,11 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
 
 from treegrpo.envs.base import StepOutcome, Task
+from treegrpo.tasks.common import SPLITS, ProblemSet, Settings
 
-Split = Literal["warmup", "train", "eval"]
-SPLITS: tuple[Split, ...] = ("warmup", "train", "eval")
 ANSWER_START = "<answer>"
 ANSWER_END = "</answer>"
 PROMPT = "{question}=?\n"
@@ -48,7 +46,7 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class ArithConfig:
+class ArithConfig(Settings):
     """Which problems exist and how they are split.
 
     Attributes:
@@ -76,16 +74,6 @@ class ArithConfig:
             raise ValueError(f"need 1 <= min_steps <= max_steps <= 9, got {self.min_steps}, {self.max_steps}")
         if self.max_operand < 1 or self.max_start < 1 or not set(self.ops) <= {"+", "-"} or not self.ops:
             raise ValueError("max_operand and max_start must be >= 1 and ops a non-empty subset of ('+', '-')")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ArithConfig:
-        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if "ops" in kw:
-            kw["ops"] = tuple(kw["ops"])
-        return cls(**kw)
 
 
 def solve_steps(start: int, op: str, operand: int, steps: int) -> list[tuple[int, int]]:
@@ -128,17 +116,8 @@ def make_task(start: int, op: str, operand: int, steps: int, task_id: str) -> Ta
     )
 
 
-@dataclass
-class ArithProblems:
+class ArithProblems(ProblemSet[ArithConfig]):
     """The problem set of an :class:`ArithConfig`: disjoint splits of tasks."""
-
-    cfg: ArithConfig
-    splits: dict[str, list[Task]]
-
-    def tasks(self, split: Split) -> list[Task]:
-        if split not in self.splits:
-            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}")
-        return self.splits[split]
 
 
 def build_problems(cfg: ArithConfig | None = None) -> ArithProblems:

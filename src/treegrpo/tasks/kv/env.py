@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from treegrpo.envs.base import StepOutcome, Task
-from treegrpo.envs.state import STATE_MODES
+from treegrpo.envs.state import STATE_MODES, StepEachState
 
 ACTION_RE = re.compile(r"<(kv|answer)>(.*?)</\1>", re.DOTALL)
 INVALID = "\nInvalid action: use <kv> set|add|del|get|mset|dump ... </kv> or <answer> value </answer>.\n"
@@ -90,7 +88,7 @@ def apply(data: dict[str, int], command: str) -> tuple[str, int]:
 
 
 @dataclass
-class KVEnv:
+class KVEnv(StepEachState):
     """The key-value world as a stateful :class:`~treegrpo.envs.base.AgentEnv` (module docstring).
 
     Args:
@@ -145,31 +143,18 @@ class KVEnv:
         state_part = sum(data.get(k) == expected.get(k) for k in keys) / max(1, len(keys))
         return 0.5 * state_part + 0.5 * float(answer.strip() == task.answers[0])
 
-    def step(
-        self,
-        tasks: Sequence[Task],
-        steps: Sequence[str],
-        search_allowed: Sequence[bool],
-        states: Sequence[Any] | None = None,
-    ) -> list[StepOutcome]:
-        out = []
-        for i, (task, text, allowed) in enumerate(zip(tasks, steps, search_allowed, strict=True)):
-            own = states is None
-            state = self.initial_state(task) if own else states[i]  # type: ignore[index]
-            m = ACTION_RE.search(text)
-            if m is not None and m.group(1) == "answer":
-                ans = m.group(2).strip()
-                out.append(StepOutcome("answer", True, reward=self.reward(task, state.data, ans), info={"answer": ans}))
-            elif m is not None and allowed:
-                obs, calls = apply(state.data, m.group(2))
-                out.append(StepOutcome("kv", False, observation=result(obs), tool_calls=calls, info={"command": m.group(2).strip()}))
-            elif not allowed:
-                out.append(StepOutcome("kv" if m else "invalid", True, reward=self.score(task, text)))
-            else:
-                out.append(StepOutcome("invalid", False, observation=INVALID))
-            if own:
-                self.close_state(state)
-        return out
+    def step_one(self, task: Task, text: str, allowed: bool, state: KVState) -> StepOutcome:
+        """One trajectory's step on its store (``step`` runs a batch, :class:`~treegrpo.envs.state.StepEachState`)."""
+        m = ACTION_RE.search(text)
+        if m is not None and m.group(1) == "answer":
+            ans = m.group(2).strip()
+            return StepOutcome("answer", True, reward=self.reward(task, state.data, ans), info={"answer": ans})
+        if m is not None and allowed:
+            obs, calls = apply(state.data, m.group(2))
+            return StepOutcome("kv", False, observation=result(obs), tool_calls=calls, info={"command": m.group(2).strip()})
+        if not allowed:
+            return StepOutcome("kv" if m else "invalid", True, reward=self.score(task, text))
+        return StepOutcome("invalid", False, observation=INVALID)
 
 
 KEYS = ("a", "b", "c", "d", "e")

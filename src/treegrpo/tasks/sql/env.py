@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from treegrpo.envs.base import StepOutcome, Task
+from treegrpo.envs.state import StepEachState
 from treegrpo.tasks.sql.problems import db_script
 from treegrpo.tasks.sql.tool import SqlDb, SqlLimits
 
@@ -40,7 +39,7 @@ def result(text: str) -> str:
 
 
 @dataclass
-class SqlEnv:
+class SqlEnv(StepEachState):
     """The SQL environment (module docstring).
 
     Args:
@@ -132,38 +131,25 @@ class SqlEnv:
         state_ok = state.dump() == self.expected_state(task)
         return float(state_ok and answer.strip() == task.answers[0]), state_ok
 
-    def step(
-        self,
-        tasks: Sequence[Task],
-        steps: Sequence[str],
-        search_allowed: Sequence[bool],
-        states: Sequence[Any] | None = None,
-    ) -> list[StepOutcome]:
-        """Run a batch of steps, each on its trajectory's database (``states[i]``, changed in
-        place; without ``states`` every step runs on a fresh copy of its task's start)."""
-        out = []
-        for i, (task, text, allowed) in enumerate(zip(tasks, steps, search_allowed, strict=True)):
-            own = states is None
-            db = self.initial_state(task) if own else states[i]  # type: ignore[index]
-            m = ACTION_RE.search(text)
-            if m is not None and m.group(1) == "answer":
-                ans = m.group(2).strip()
-                reward, state_ok = self.answer_reward(task, db, ans)
-                out.append(StepOutcome("answer", True, reward=reward, info={"answer": ans, "state_ok": state_ok}))
-            elif m is not None and allowed:
-                sql = m.group(2).strip()
-                text_out, ok = db.run(sql)
-                info = {"sql": sql} if ok else {"sql": sql, "sql_error": True}
-                out.append(StepOutcome("sql", False, observation=result(text_out), tool_calls=1, info=info))
-            elif m is not None:
-                out.append(StepOutcome("sql", True, reward=self.score(task, text), info={"refused": True}))
-            elif not allowed:
-                out.append(StepOutcome("invalid", True, reward=self.score(task, text)))
-            else:
-                out.append(StepOutcome("invalid", False, observation=INVALID))
-            if own:
-                self.close_state(db)
-        return out
+    def step_one(self, task: Task, text: str, allowed: bool, db: SqlDb) -> StepOutcome:
+        """One trajectory's step on its database (changed in place). ``step`` runs a batch, each
+        step on its trajectory's database (``states[i]``; without ``states`` every step runs on a
+        fresh copy of its task's start, :class:`~treegrpo.envs.state.StepEachState`)."""
+        m = ACTION_RE.search(text)
+        if m is not None and m.group(1) == "answer":
+            ans = m.group(2).strip()
+            reward, state_ok = self.answer_reward(task, db, ans)
+            return StepOutcome("answer", True, reward=reward, info={"answer": ans, "state_ok": state_ok})
+        if m is not None and allowed:
+            sql = m.group(2).strip()
+            text_out, ok = db.run(sql)
+            info = {"sql": sql} if ok else {"sql": sql, "sql_error": True}
+            return StepOutcome("sql", False, observation=result(text_out), tool_calls=1, info=info)
+        if m is not None:
+            return StepOutcome("sql", True, reward=self.score(task, text), info={"refused": True})
+        if not allowed:
+            return StepOutcome("invalid", True, reward=self.score(task, text))
+        return StepOutcome("invalid", False, observation=INVALID)
 
 
 __all__ = ["INVALID", "PROMPT", "SqlEnv", "result"]

@@ -19,13 +19,12 @@ seeded streams.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from treegrpo.envs.base import Task
+from treegrpo.tasks.common import ProblemSet, Settings
 
-Split = Literal["warmup", "train", "eval"]
-SPLITS: tuple[Split, ...] = ("warmup", "train", "eval")
 KINDS: tuple[str, ...] = ("transfer", "deposit", "withdraw", "open")
 SCHEMA = "CREATE TABLE accounts(name TEXT PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0));"
 NAMES: tuple[str, ...] = (
@@ -35,7 +34,7 @@ NAMES: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
-class SqlConfig:
+class SqlConfig(Settings):
     """Which problems exist.
 
     Attributes:
@@ -65,16 +64,6 @@ class SqlConfig:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}")
         if self.max_amount >= self.min_balance:
             raise ValueError("max_amount must be below min_balance (a withdrawal never overdraws)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SqlConfig:
-        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if "kinds" in kw:
-            kw["kinds"] = tuple(kw["kinds"])
-        return cls(**kw)
 
 
 def db_script(rows: list[list[Any]]) -> str:
@@ -123,17 +112,8 @@ def make_task(rng: random.Random, cfg: SqlConfig, task_id: str) -> Task:
     return Task(task_id, question, [str(answer)], "sql", meta)
 
 
-@dataclass
-class SqlProblems:
+class SqlProblems(ProblemSet[SqlConfig]):
     """The problem set of a :class:`SqlConfig`: its splits."""
-
-    cfg: SqlConfig
-    splits: dict[str, list[Task]]
-
-    def tasks(self, split: Split) -> list[Task]:
-        if split not in self.splits:
-            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}")
-        return self.splits[split]
 
 
 def build_problems(cfg: SqlConfig | None = None) -> SqlProblems:
