@@ -26,7 +26,7 @@ def test_bench_real_runs_every_stage_and_reuses_finished_ones(smollm2_2layer_dir
     said: list[str] = []
     res = run_bench(spec, tmp_path / "work", out, said.append)
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and out.with_suffix(".png").stat().st_size > 0
-    assert shape_problems(res, committed("real.json")) == []  # the keys and nesting of the committed results
+    assert shape_problems(json.loads(out.read_text()), committed("real.json")) == []  # the keys and nesting of the committed results
     assert res["warmup"]["demos"] == 3 and res["warmup"]["sft"]["steps"] == 2
     assert set(res["rl"]) == {"tree_2_2_1", "chain_4"}
     tree, chain = res["rl"]["tree_2_2_1"], res["rl"]["chain_4"]

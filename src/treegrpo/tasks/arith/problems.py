@@ -32,12 +32,11 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from treegrpo.envs.base import StepOutcome, Task
+from treegrpo.tasks.splits import SPLITS, ProblemSet, config_from_dict
 
-Split = Literal["warmup", "train", "eval"]
-SPLITS: tuple[Split, ...] = ("warmup", "train", "eval")
 ANSWER_START = "<answer>"
 ANSWER_END = "</answer>"
 PROMPT = "{question}=?\n"
@@ -82,10 +81,7 @@ class ArithConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ArithConfig:
-        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if "ops" in kw:
-            kw["ops"] = tuple(kw["ops"])
-        return cls(**kw)
+        return config_from_dict(cls, d)
 
 
 def solve_steps(start: int, op: str, operand: int, steps: int) -> list[tuple[int, int]]:
@@ -128,17 +124,8 @@ def make_task(start: int, op: str, operand: int, steps: int, task_id: str) -> Ta
     )
 
 
-@dataclass
-class ArithProblems:
+class ArithProblems(ProblemSet[ArithConfig]):
     """The problem set of an :class:`ArithConfig`: disjoint splits of tasks."""
-
-    cfg: ArithConfig
-    splits: dict[str, list[Task]]
-
-    def tasks(self, split: Split) -> list[Task]:
-        if split not in self.splits:
-            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}")
-        return self.splits[split]
 
 
 def build_problems(cfg: ArithConfig | None = None) -> ArithProblems:

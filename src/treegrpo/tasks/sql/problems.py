@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from treegrpo.envs.base import Task
+from treegrpo.tasks.splits import ProblemSet, config_from_dict
 
-Split = Literal["warmup", "train", "eval"]
-SPLITS: tuple[Split, ...] = ("warmup", "train", "eval")
 KINDS: tuple[str, ...] = ("transfer", "deposit", "withdraw", "open")
 SCHEMA = "CREATE TABLE accounts(name TEXT PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0));"
 NAMES: tuple[str, ...] = (
@@ -71,10 +70,7 @@ class SqlConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SqlConfig:
-        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        if "kinds" in kw:
-            kw["kinds"] = tuple(kw["kinds"])
-        return cls(**kw)
+        return config_from_dict(cls, d)
 
 
 def db_script(rows: list[list[Any]]) -> str:
@@ -123,17 +119,8 @@ def make_task(rng: random.Random, cfg: SqlConfig, task_id: str) -> Task:
     return Task(task_id, question, [str(answer)], "sql", meta)
 
 
-@dataclass
-class SqlProblems:
+class SqlProblems(ProblemSet[SqlConfig]):
     """The problem set of a :class:`SqlConfig`: its splits."""
-
-    cfg: SqlConfig
-    splits: dict[str, list[Task]]
-
-    def tasks(self, split: Split) -> list[Task]:
-        if split not in self.splits:
-            raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}")
-        return self.splits[split]
 
 
 def build_problems(cfg: SqlConfig | None = None) -> SqlProblems:
