@@ -132,17 +132,9 @@ def bench_eptree_cmd(
     if not seed_list or not rl_seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
         _fail("error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1")
     run_bench(
-        out,
-        prompts=prompts,
-        seeds=seed_list,
-        rl_steps=rl_steps,
-        rl_seeds=rl_seed_list,
-        rl_prompts_per_step=rl_prompts_per_step,
-        rl_lr=rl_lr,
-        eval_prompts=eval_prompts,
-        threads=threads or None,
-        log=_log,
-    )
+        out, prompts=prompts, seeds=seed_list, rl_steps=rl_steps, rl_seeds=rl_seed_list, rl_prompts_per_step=rl_prompts_per_step,
+        rl_lr=rl_lr, eval_prompts=eval_prompts, threads=threads or None, log=_log,
+    )  # fmt: skip
 
 
 @bench.command("learn")
