@@ -14,7 +14,7 @@ from treegrpo.rollout.engine import SamplingParams, check_request
         ([[1]], SamplingParams(temperature=-0.5), "temperature must be >= 0, got -0.5"),
         ([[1]], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
         ([[1]], SamplingParams(stop_strings=("</a>", "")), "stop_strings must be non-empty strings"),
-        ([[1], []], SamplingParams(), "context 1 is empty"),
+        ([[1], []], SamplingParams(max_new_tokens=4), "context 1 is empty"),
         (
             [[1, 2, 3]],
             SamplingParams(max_new_tokens=8),
