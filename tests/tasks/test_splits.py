@@ -8,19 +8,20 @@ from dataclasses import dataclass
 import pytest
 
 from treegrpo.envs.base import Task
-from treegrpo.tasks.splits import ProblemSet, config_from_dict
+from treegrpo.tasks.splits import ProblemSet, RecordedConfig
 
 
 @dataclass(frozen=True)
-class _Cfg:
+class _Cfg(RecordedConfig):
     n: int = 1
     kinds: tuple[str, ...] = ("a",)
     names: list[str] | None = None
 
 
-def test_config_from_dict_drops_unknown_keys_and_restores_tuples() -> None:
-    recorded = json.loads(json.dumps({"n": 3, "kinds": ("a", "b"), "names": ["x"], "gone": 1}))
-    cfg = config_from_dict(_Cfg, recorded)
+def test_from_dict_drops_unknown_keys_and_restores_tuples() -> None:
+    recorded = json.loads(json.dumps({**_Cfg(3, ("a", "b"), ["x"]).to_dict(), "gone": 1}))
+    assert recorded == {"n": 3, "kinds": ["a", "b"], "names": ["x"], "gone": 1}
+    cfg = _Cfg.from_dict(recorded)
     assert cfg == _Cfg(3, ("a", "b"), ["x"]) and isinstance(cfg.kinds, tuple) and isinstance(cfg.names, list)
 
 

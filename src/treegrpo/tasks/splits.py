@@ -1,10 +1,11 @@
 """The splits of a generated task family's problems (``warmup`` demonstrations, ``train`` for RL,
-``eval`` held out) and the problem set that holds them with the config they were drawn from."""
+``eval`` held out), the problem set that holds them with the config they were drawn from, and that
+config's record (a dict in the bootstrap's record, read back)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Generic, Literal, TypeVar
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from treegrpo.envs.base import Task
 
@@ -13,11 +14,19 @@ SPLITS: tuple[Split, ...] = ("warmup", "train", "eval")
 C = TypeVar("C")
 
 
-def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
-    """The config dataclass ``cls`` a recorded ``d`` (``asdict`` through JSON) describes: keys it
-    does not know dropped, lists back to tuples where the field's default is a tuple."""
-    tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}  # type: ignore[arg-type]
-    return cls(**{k: tuple(v) if k in tuples else v for k, v in d.items() if k in cls.__dataclass_fields__})  # type: ignore[attr-defined]
+class RecordedConfig:
+    """A family's config dataclass as a bootstrap records it (:meth:`to_dict`, JSON-ready) and
+    reads it back (:meth:`from_dict`: keys it does not know dropped, lists back to tuples where the
+    field's default is a tuple)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}  # type: ignore[arg-type]
+        known = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in d.items() if k in known})
 
 
 @dataclass

@@ -31,11 +31,10 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from treegrpo.envs.base import StepOutcome, Task
-from treegrpo.tasks.splits import SPLITS, ProblemSet, config_from_dict
+from treegrpo.tasks.splits import SPLITS, ProblemSet, RecordedConfig
 
 ANSWER_START = "<answer>"
 ANSWER_END = "</answer>"
@@ -47,7 +46,7 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class ArithConfig:
+class ArithConfig(RecordedConfig):
     """Which problems exist and how they are split.
 
     Attributes:
@@ -75,13 +74,6 @@ class ArithConfig:
             raise ValueError(f"need 1 <= min_steps <= max_steps <= 9, got {self.min_steps}, {self.max_steps}")
         if self.max_operand < 1 or self.max_start < 1 or not set(self.ops) <= {"+", "-"} or not self.ops:
             raise ValueError("max_operand and max_start must be >= 1 and ops a non-empty subset of ('+', '-')")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ArithConfig:
-        return config_from_dict(cls, d)
 
 
 def solve_steps(start: int, op: str, operand: int, steps: int) -> list[tuple[int, int]]:

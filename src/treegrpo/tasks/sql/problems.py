@@ -19,11 +19,11 @@ seeded streams.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from treegrpo.envs.base import Task
-from treegrpo.tasks.splits import ProblemSet, config_from_dict
+from treegrpo.tasks.splits import ProblemSet, RecordedConfig
 
 KINDS: tuple[str, ...] = ("transfer", "deposit", "withdraw", "open")
 SCHEMA = "CREATE TABLE accounts(name TEXT PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0));"
@@ -34,7 +34,7 @@ NAMES: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
-class SqlConfig:
+class SqlConfig(RecordedConfig):
     """Which problems exist.
 
     Attributes:
@@ -64,13 +64,6 @@ class SqlConfig:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}")
         if self.max_amount >= self.min_balance:
             raise ValueError("max_amount must be below min_balance (a withdrawal never overdraws)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SqlConfig:
-        return config_from_dict(cls, d)
 
 
 def db_script(rows: list[list[Any]]) -> str:
