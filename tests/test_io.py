@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from treegrpo.io import atomic_write, atomic_write_text
+from treegrpo.io import atomic_write, atomic_write_text, jsonl_objects
 
 
 def test_atomic_write_text_replaces_whole_file_with_umask_permissions(tmp_path: Path) -> None:
@@ -34,3 +34,15 @@ def test_a_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
         atomic_write(path, broken)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_jsonl_objects_name_the_line_of_each_problem(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"a": 1}\n\n{"b": 2}\n')  # a BOM on the first line; a blank line skipped
+    assert list(jsonl_objects(p, ValueError)) == [(1, f"{p}:1", {"a": 1}), (3, f"{p}:3", {"b": 2})]
+    cases = [(b'{"a": 1}\n{nope\n', f"{p}: row 2: not valid JSON"), (b"[1]\n", f"{p}: row 1: each line must be a JSON object {{x}}"),
+             (b'{"a": 1}\n\xff\n', f"{p}: row 2: not UTF-8 text \\(byte 0 of the line\\)")]  # fmt: skip
+    for data, message in cases:
+        p.write_bytes(data)
+        with pytest.raises(KeyError, match=message):
+            list(jsonl_objects(p, KeyError, "{path}: row {line}", " {x}"))

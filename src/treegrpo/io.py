@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +106,28 @@ def atomic_write_dir(folder: Path, write: Callable[[Path], None]) -> None:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+def jsonl_objects(
+    path: Path, error: Callable[[str], Exception], where: str = "{path}:{line}", shape: str = ""
+) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """``(line number, where, object)`` for every non-blank line of the JSONL file ``path`` (a UTF-8 BOM on the
+    first line allowed), ``where`` the line's place for the caller's own messages (``{path}`` and
+    ``{line}`` filled in). A line that is not UTF-8, not JSON or not a JSON object raises
+    ``error(message)`` naming the line (``shape``: what an object holds, added to that message)."""
+    with Path(path).open("rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            at = where.format(path=path, line=i)
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{at}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{at}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise error(f"{at}: each line must be a JSON object{shape}")
+            yield i, at, row

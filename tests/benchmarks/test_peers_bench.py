@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_result_schemas import committed, shape_problems
 from typer.testing import CliRunner
 
 from treegrpo.benchmarks.peers import LOSS_PAIRS, ROWS, SPEC_OWNED, PeersSpec, job_config, run_bench
@@ -67,6 +68,12 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
         and out.with_suffix(".png").stat().st_size > 0
     )
     assert set(rows) == set(ROWS)
+    # the keys and nesting of the committed results (rows: as the committed row of the same system)
+    new, old = json.loads(out.read_text()), committed("peers.json")
+    assert shape_problems({**new, "rows": []}, {**old, "rows": []}) == []
+    for r in new["rows"]:
+        was = next(o for o in old["rows"] if o["system"] == r["system"])
+        assert list(r) == list(was) and shape_problems(r, was) == [], r["name"]
     for name, r in rows.items():
         assert all(k in r for k in SCHEMA) and all(k in r["settings"] for k in SETTINGS), name
         assert (r["system"], r["job"], r["sampler"]) == (

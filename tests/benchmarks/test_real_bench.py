@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_result_schemas import committed, shape_problems
 
 from treegrpo.benchmarks.phase_rss import summary
 from treegrpo.benchmarks.real import RealSpec, rl_stage, run_bench, warmup_stage
@@ -25,6 +26,7 @@ def test_bench_real_runs_every_stage_and_reuses_finished_ones(smollm2_2layer_dir
     said: list[str] = []
     res = run_bench(spec, tmp_path / "work", out, said.append)
     assert json.loads(out.read_text()) == json.loads(json.dumps(res)) and out.with_suffix(".png").stat().st_size > 0
+    assert shape_problems(json.loads(out.read_text()), committed("real.json")) == []  # the keys and nesting of the committed results
     assert res["warmup"]["demos"] == 3 and res["warmup"]["sft"]["steps"] == 2
     assert set(res["rl"]) == {"tree_2_2_1", "chain_4"}
     tree, chain = res["rl"]["tree_2_2_1"], res["rl"]["chain_4"]

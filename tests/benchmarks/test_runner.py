@@ -13,11 +13,13 @@ import torch
 
 from treegrpo.benchmarks.runner import (
     Shape,
+    digest,
     finished_row,
     keep_row,
     option_flags,
     resume_rows,
     run_jobs,
+    run_measured,
     spread,
     torch_threads,
     write_result,
@@ -82,6 +84,29 @@ def test_write_result_is_exact_json_and_draws_beside_it(tmp_path: Path) -> None:
     assert png == tmp_path / "sub" / "x.png" and drawn == [([1, 2], png)]
     write_result(out, {"a": 1}, indent=2, newline=True)
     assert out.read_text() == '{\n  "a": 1\n}\n' and [p.name for p in out.parent.iterdir()] == ["x.json"]
+    said: list[str] = []
+    write_result(out, {}, log=said.append)
+    write_result(out, {}, lambda d, p: None, log=said.append)
+    assert said == [f"wrote {out}", f"wrote {out} and {png}"]
+
+
+def test_digest_is_sha256_of_json_then_file_bytes(tmp_path: Path) -> None:
+    import hashlib
+
+    (tmp_path / "f").write_bytes(b"xy")
+    # '{"a": 1, "b": 2}' (sorted keys), then the file's bytes, hashed in turn
+    want = hashlib.sha256(b'{"a": 1, "b": 2}' + b"xy").hexdigest()
+    assert digest({"b": 2, "a": 1}, tmp_path / "f") == want[:16]
+    assert digest("k", length=10) == hashlib.sha256(b'"k"').hexdigest()[:10]
+
+
+def test_run_measured_reports_rc_peak_and_log(tmp_path: Path) -> None:
+    import sys
+
+    got = run_measured([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], log=tmp_path / "l.txt")
+    assert got["rc"] == 3 and got["peak_rss_gb"] > 0 and got["wall_s"] > 0 and got["stderr"] == ""
+    assert (tmp_path / "l.txt").read_text() == "out\n"  # the command's stdout joins its log
+    assert run_measured([sys.executable, "-c", "import sys; sys.stderr.write('e')"])["stderr"] == "e"
 
 
 def test_torch_threads_set_then_restored() -> None:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from treegrpo.registry import add, lookup
 from treegrpo.tree import Forest
 
 Level = Literal["leaf", "node"]
@@ -137,9 +138,8 @@ def register_advantage(
         raise ValueError(f"advantage level must be one of {_LEVELS}, got {level!r}")
 
     def deco(fn: EstimatorFn) -> EstimatorFn:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, level, fn, annotate, tuple(annotation_fields))
+        estimator = AdvantageEstimator(name, level, fn, annotate, tuple(annotation_fields))
+        add(ADVANTAGE_ESTIMATORS, name, estimator, "advantage estimator")
         return fn
 
     return deco
@@ -147,11 +147,7 @@ def register_advantage(
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as ``name``; ValueError naming the known ones otherwise."""
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {known}") from None
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
 
 
 # -- the shared piece ---------------------------------------------------------------------------

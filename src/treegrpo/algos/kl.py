@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from treegrpo.registry import add, lookup
+
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 KL_ESTIMATORS: dict[str, KLFn] = {}
@@ -21,9 +23,7 @@ def register_kl(*names: str) -> Callable[[KLFn], KLFn]:
 
     def deco(fn: KLFn) -> KLFn:
         for name in names:
-            if name in KL_ESTIMATORS:
-                raise ValueError(f"KL estimator {name!r} is already registered")
-            KL_ESTIMATORS[name] = fn
+            add(KL_ESTIMATORS, name, fn, "KL estimator")
         return fn
 
     return deco
@@ -31,11 +31,7 @@ def register_kl(*names: str) -> Callable[[KLFn], KLFn]:
 
 def get_kl_estimator(kind: str) -> KLFn:
     """The KL estimator registered as ``kind``; ValueError naming the known ones otherwise."""
-    try:
-        return KL_ESTIMATORS[kind]
-    except KeyError:
-        known = ", ".join(sorted(KL_ESTIMATORS))
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {known}") from None
+    return lookup(KL_ESTIMATORS, kind, "KL estimator")
 
 
 @register_kl("k1", "kl")

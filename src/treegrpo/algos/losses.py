@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from treegrpo.algos.kl import KL_ESTIMATORS, kl_penalty
+from treegrpo.registry import add, lookup
 
 AGG_MODES = (
     "token-mean",
@@ -219,9 +220,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     ``None``) is what the loss passes to :func:`agg_loss`."""
 
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
+        add(POLICY_LOSSES, name, fn, "policy loss")
         return fn
 
     return deco
@@ -229,11 +228,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as ``name``; ValueError naming the known ones otherwise."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        known = ", ".join(sorted(POLICY_LOSSES))
-        raise ValueError(f"unknown policy loss {name!r}; known: {known}") from None
+    return lookup(POLICY_LOSSES, name, "policy loss")
 
 
 @register_policy_loss("ppo_clip")

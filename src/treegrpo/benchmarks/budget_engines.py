@@ -1,28 +1,12 @@
 """``treegrpo bench budget --engine hf|vllm [--model M]``: the timing-critical block of the budget
-benchmark (chain 4 vs Tree-GRPO (2,2,1) random / nonroot) rolled out by one engine, for comparing
-engines on the same prompts and model.
-
-The model is a bootstrapped tiny agent (its world, env and agent settings) or any other model
-reference (``smollm2-135m``, a folder): then the built-in ``wiki-vital-qa`` questions over the
-``wiki-vital`` corpus (BM25), with the trainer's own set-up (:func:`treegrpo.train.setup.build_run`)
-and ``max_turns`` / ``max_step_tokens`` as given. The prompts are a fixed sample of the training
-questions (``seed``); every configuration runs once as a warm-up, then ``repeats`` times in rotated
-order; its wall and CPU seconds are the medians of those repeats.
-
-Prefix caching is on for both engines (the HF engine's prefix KV reuse, vLLM's automatic prefix
-caching, reset before every run so no run inherits another's cache): rows have exactly the budget
-benchmark's keys (:data:`treegrpo.benchmarks.budget.ROW_KEYS`), ``prefill_tokens`` being what the
-engine computed (vLLM: the context minus its cached tokens). Per configuration the document also
-has: CPU seconds (process time: every thread of this process, vLLM's included), generated tokens
-per CPU second, wall seconds per trajectory and per generated token, prefix-cache hits (the
-context tokens served from cache) and the ideal-cache prefill (``uncached_tokens``).
-
-Targets (:func:`compare`, given the other engine's document on the same prompts): vLLM ≥ 1.3× the
-HF engine's generated tokens per CPU second on the tree (2,2,1) rows; and, within one document,
-tree (2,2,1) wall per generated token ≤ 1.1× chain 4's.
-
-Threads: ``threads`` torch threads for the HF engine; vLLM-on-CPU gets the same number of cores
-(``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}`` unless set), so both use the same CPU.
+benchmark (chain 4 vs Tree-GRPO (2,2,1) random / nonroot) rolled out by one engine, to compare
+engines on the same prompts and model (the method and the figures: benchmarks/README.md). A
+bootstrapped tiny agent runs on its world; any other model on ``wiki-vital-qa`` over ``wiki-vital``
+with the trainer's own set-up (:func:`treegrpo.train.setup.build_run`). Rows have the budget
+benchmark's :data:`~treegrpo.benchmarks.budget.ROW_KEYS` (``prefill_tokens``: what the engine
+computed), ``engine_figures`` the per-engine figures; :func:`compare` checks the targets against
+the other engine's document. vLLM-on-CPU gets as many cores as the HF engine's torch threads
+(``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}`` unless set).
 """
 
 from __future__ import annotations

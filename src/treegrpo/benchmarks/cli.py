@@ -15,10 +15,10 @@ def _log(message: str) -> None:
     typer.echo(message, err=True)
 
 
-def _fail(message: str) -> NoReturn:
-    """The one-line error of a bad option or a failed run (exit status 2)."""
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """The one-line error of a bad option or a failed run (exit status ``code``)."""
     typer.echo(message, err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @bench.command("retrieval")
@@ -132,17 +132,9 @@ def bench_eptree_cmd(
     if not seed_list or not rl_seed_list or prompts < 1 or rl_steps < 0 or rl_prompts_per_step < 1 or eval_prompts < 1 or threads < 0:
         _fail("error: --seeds/--rl-seeds must be integers; --prompts, --rl-prompts-per-step, --eval-prompts >= 1")
     run_bench(
-        out,
-        prompts=prompts,
-        seeds=seed_list,
-        rl_steps=rl_steps,
-        rl_seeds=rl_seed_list,
-        rl_prompts_per_step=rl_prompts_per_step,
-        rl_lr=rl_lr,
-        eval_prompts=eval_prompts,
-        threads=threads or None,
-        log=_log,
-    )
+        out, prompts=prompts, seeds=seed_list, rl_steps=rl_steps, rl_seeds=rl_seed_list, rl_prompts_per_step=rl_prompts_per_step,
+        rl_lr=rl_lr, eval_prompts=eval_prompts, threads=threads or None, log=_log,
+    )  # fmt: skip
 
 
 @bench.command("learn")
@@ -272,32 +264,27 @@ def bench_real_cmd(
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     eval_prompts = eval_prompts or (128 if table else 16)
     if bad := [m for m in mode_list if m not in MODES]:
-        typer.echo(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}", err=True)
-        raise typer.Exit(2)
+        _fail(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}")
     if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts) < 1 or not (sft_lr > 0 and rl_lr > 0):
-        typer.echo("error: counts must be >= 1 and --sft-lr, --rl-lr > 0", err=True)
-        raise typer.Exit(2)
+        _fail("error: counts must be >= 1 and --sft-lr, --rl-lr > 0")
     overrides = dict(kv.split("=", 1) for kv in sets if "=" in kv)
     if len(overrides) != len(sets):
-        typer.echo("error: --set takes key=value", err=True)
-        raise typer.Exit(2)
+        _fail("error: --set takes key=value")
     spec = RealSpec(
         model=model, data=data, corpus=corpus, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch,
         eval_prompts=eval_prompts, rl_steps=rl_steps, prompts_per_step=prompts_per_step, rl_lr=rl_lr, seed=seed,
         cost_prompts=cost_prompts, cost_modes=mode_list, overrides=overrides,
     )  # fmt: skip
-    log = lambda m: typer.echo(m, err=True)  # noqa: E731
     try:
         if table:
             from treegrpo.benchmarks.real import table_bench
 
             table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
-                        _ints(seeds, "--seeds"), eval_every, log)  # fmt: skip
+                        _ints(seeds, "--seeds"), eval_every, _log)  # fmt: skip
             return
-        run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=log)
+        run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=_log)
     except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _fail(f"error: {e}")
 
 
 @bench.command("scale")
@@ -359,14 +346,12 @@ def bench_peers_cmd(
             loss=loss, seed=seed, threads=threads, jobs=tuple(j.strip() for j in jobs.split(",") if j.strip()),
             rows=tuple(r.strip() for r in rows.split(",") if r.strip()) or tuple(ROWS), overrides=parse_set(sets),
         )  # fmt: skip
-        run_bench(spec, work, out, log=lambda m: typer.echo(m, err=True))
+        run_bench(spec, work, out, log=_log)
     except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except RuntimeError as e:
-        typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
-        typer.echo("\n".join(str(e).splitlines()[1:]), err=True)
-        raise typer.Exit(1) from None
+        _fail(f"error: {e}")
+    except RuntimeError as e:  # a row failed: its log's tail under the one-line error
+        first, *rest = str(e).splitlines() or [""]
+        _fail(f"error: {first}\n" + "\n".join(rest), code=1)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -376,6 +361,5 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     except ValueError:
         out = ()
     if not out:
-        typer.echo(f"error: {flag} {text!r}: give comma-separated integers, e.g. {flag} 0,1", err=True)
-        raise typer.Exit(2)
+        _fail(f"error: {flag} {text!r}: give comma-separated integers, e.g. {flag} 0,1")
     return out

@@ -1,49 +1,33 @@
-"""``treegrpo bench peers``: TRL's ``GRPOTrainer`` and treegrpo on the same job, side by side.
+"""``treegrpo bench peers``: TRL's ``GRPOTrainer`` and treegrpo on the same job, side by side
+(what is the same on both sides and what differs: docs/benchmarks.md, and :data:`DIFFERENCES`).
 
-The jobs (both from one starting folder, e.g. a ``treegrpo warmup`` output, which TRL loads with
-``from_pretrained``; the same questions in the same order; group size ``G`` at T = 1; the same cap
-on generated tokens; AdamW at the same constant lr; no KL; the loss aggregation both share,
-:data:`LOSS_PAIRS`):
-
-- ``single_turn``: the question with its top-``topk`` BM25 passages already in the user message
-  (:data:`SINGLE_TURN_PROMPT`, built once here and written to ``work/job/``), the answer in
-  ``<answer>`` tags, reward = EM. treegrpo runs it through its own training loop (the data-file
-  search task with ``max_turns=0``: the first step must answer; ``prompt_template="{question}"``);
-  TRL runs it as a plain ``GRPOTrainer`` job whose reward function is the same env's scoring.
-- ``multi_turn``: the search agent on ``--data`` over ``--corpus`` (Search-R1 protocol): treegrpo
-  chain ``G`` and Tree-GRPO (2,2,1). TRL 1.16 cannot run it with this model: its tool-calling path
-  needs a chat template that renders tool calls; the TRL row probes this at run time and the
-  results record the error (``not_run``).
-
-Rows (:data:`ROWS`) run one at a time, each in its own process, with the same seed and torch
-threads; a row's ``peak_rss_gb`` is its process's high-water mark when training ends (before the
-evaluation after, which every row runs with the same code), ``process_peak_rss_gb`` the whole
-process's; a row finished with the same settings is reused (``work/rows/<row>/``), so
-an interrupted run resumes at the row it was in. Held-out EM (greedy, ``eval_prompts`` questions)
-before and after is measured by treegrpo's evaluation for every row (TRL's saved model is loaded
-back and evaluated by the same code). The per-step lists are kept so the table can be recomputed;
-its columns are medians over steps 2..K (:mod:`treegrpo.benchmarks.peers_report`).
+The jobs: ``single_turn`` (the question with its top-``topk`` BM25 passages in the prompt,
+:data:`SINGLE_TURN_PROMPT`, written once to ``work/job/``; treegrpo runs it as the data-file task
+with ``max_turns=0``) and ``multi_turn`` (the search agent; treegrpo rows only: the TRL row probes
+why TRL cannot run it and the results record it under ``not_run``). Each row of :data:`ROWS` runs
+in a process of its own (:mod:`treegrpo.benchmarks.peers_rows`), one at a time; a row finished with
+the same settings is reused from ``work/rows/<row>/result.json``. The table
+(:mod:`treegrpo.benchmarks.peers_report`) keeps the per-step lists beside its medians.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
 from treegrpo.benchmarks.provenance import model_hash, provenance
-from treegrpo.benchmarks.real_costs import run_measured
+from treegrpo.benchmarks.runner import Log, digest, finished_row, keep_row, run_measured, write_result
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import information
 from treegrpo.errors import ConfigError
-from treegrpo.io import atomic_write_json, atomic_write_text
+from treegrpo.io import atomic_write_text
 from treegrpo.models.loader import MARKER_FILE, resolve_model_ref
 from treegrpo.retrieval.base import format_passages
 from treegrpo.retrieval.factory import make_retriever
@@ -51,7 +35,6 @@ from treegrpo.tasks.datafile import search_env, search_query, split_tasks
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.warmup import WARMUP_RECORD
 
-Log = Callable[[str], None]
 JOBS = ("single_turn", "multi_turn")
 #: treegrpo ``agg_mode`` -> the TRL ``loss_type`` that computes the same loss (with one optimizer
 #: step per generation batch): ``dapo`` (TRL's default) and ``bnpo`` are both the token mean over the
@@ -61,25 +44,11 @@ LOSS_PAIRS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-tok
 #: The rows: name -> system, job, sampler and the treegrpo TrainConfig fields of the sampler.
 ROWS: dict[str, dict[str, Any]] = {
     "single_turn/trl": {"system": "trl", "job": "single_turn", "sampler": "chain"},
-    "single_turn/chain": {
-        "system": "treegrpo",
-        "job": "single_turn",
-        "sampler": "chain",
-        "fields": {"sampler": "chain"},
-    },
-    "multi_turn/chain": {
-        "system": "treegrpo",
-        "job": "multi_turn",
-        "sampler": "chain",
-        "fields": {"sampler": "chain"},
-    },
-    "multi_turn/tree_2_2_1": {
-        "system": "treegrpo",
-        "job": "multi_turn",
-        "sampler": "tree",
-        "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1},
-    },
-}
+    "single_turn/chain": {"system": "treegrpo", "job": "single_turn", "sampler": "chain", "fields": {"sampler": "chain"}},
+    "multi_turn/chain": {"system": "treegrpo", "job": "multi_turn", "sampler": "chain", "fields": {"sampler": "chain"}},
+    "multi_turn/tree_2_2_1": {"system": "treegrpo", "job": "multi_turn", "sampler": "tree",
+                              "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1}},
+}  # fmt: skip
 SINGLE_TURN_PROMPT = (
     "Answer the given question using the passages below. Give the answer inside <answer> and </answer>, "
     "without detailed illustrations. For example, <answer> Beijing </answer>.\n\n{passages}\n\nQuestion: {question}\n"
@@ -169,21 +138,14 @@ class PeersSpec:
             raise ConfigError(f"--jobs: unknown {bad}; choose from {', '.join(JOBS)}")
         if bad := [r for r in self.rows if r not in ROWS]:
             raise ConfigError(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
-        if (
-            min(self.steps, self.eval_prompts, self.prompts_per_step, self.group_size, self.max_new_tokens)
-            < 1
-        ):
-            raise ConfigError(
-                "--steps, --eval-prompts, --prompts-per-step, --group-size and --max-new-tokens must be >= 1"
-            )
+        if min(self.steps, self.eval_prompts, self.prompts_per_step, self.group_size, self.max_new_tokens) < 1:
+            raise ConfigError("--steps, --eval-prompts, --prompts-per-step, --group-size and --max-new-tokens must be >= 1")
         if self.group_size < 2:
             raise ConfigError("--group-size must be >= 2: a group of one has no baseline")
         if not self.lr > 0 or self.threads < 0 or self.max_turns < 1 or self.topk < 1:
             raise ConfigError("--lr must be > 0, --threads >= 0, --max-turns and --topk >= 1")
         if owned := sorted(set(self.overrides) & set(SPEC_OWNED)):
-            raise ConfigError(
-                f"--set {', '.join(owned)}: set by the bench itself (use its own options, see --help)"
-            )
+            raise ConfigError(f"--set {', '.join(owned)}: set by the bench itself (use its own options, see --help)")
 
 
 def _agent_obs_format(folder: Path) -> str | None:
@@ -237,10 +199,7 @@ def single_turn_tasks(tasks: Sequence[Task], retriever: Any, topk: int) -> list[
 
 
 def _write_jsonl(path: Path, tasks: Sequence[Task]) -> None:
-    rows = [
-        json.dumps({"id": t.id, "question": t.question, "answers": t.answers, "data_source": t.data_source})
-        for t in tasks
-    ]
+    rows = [json.dumps({"id": t.id, "question": t.question, "answers": t.answers, "data_source": t.data_source}) for t in tasks]
     atomic_write_text(path, "\n".join(rows) + "\n")
 
 
@@ -257,9 +216,7 @@ def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
         log(f"single-turn job: top-{spec.topk} passages for {len(train)} + {len(held_out)} questions")
         retriever = make_retriever(corpus=spec.corpus)
         _write_jsonl(work / "job" / "single_turn_train.jsonl", single_turn_tasks(train, retriever, spec.topk))
-        _write_jsonl(
-            work / "job" / "single_turn_eval.jsonl", single_turn_tasks(held_out, retriever, spec.topk)
-        )
+        _write_jsonl(work / "job" / "single_turn_eval.jsonl", single_turn_tasks(held_out, retriever, spec.topk))
     for job in spec.jobs:
         cfg = job_config(spec, job, work)
         env = search_env(cfg, tiny)
@@ -276,24 +233,13 @@ def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
     return out
 
 
-def _digest(*parts: Any) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(
-            Path(p).read_bytes()
-            if isinstance(p, Path)
-            else json.dumps(p, sort_keys=True, default=str).encode()
-        )
-    return h.hexdigest()[:16]
-
-
 def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str, Any]:
     """Run one row (``treegrpo.benchmarks.peers_rows``) in a process of its own, or reuse the one
     finished in ``folder`` with the same ``key``; returns its record plus peak RSS and wall."""
     done = folder / "result.json"
-    if done.is_file() and (prev := json.loads(done.read_text())).get("key") == key:
+    if (prev := finished_row(done, key)) is not None:
         log(f"  {task['name']}: reusing {done}")
-        return prev["row"]
+        return prev
     cmd = [sys.executable, "-c", "from treegrpo.benchmarks.peers_rows import main; main()", json.dumps(task)]
     got = run_measured(cmd, log=folder / "log.txt")
     if got["rc"] != 0 or not (folder / "row.json").is_file():
@@ -304,7 +250,7 @@ def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str,
         "process_peak_rss_gb": got["peak_rss_gb"],  # the whole process, its evaluation included
         "process_wall_s": got["wall_s"],
     }
-    atomic_write_json(done, {"key": key, "row": row})
+    keep_row(done, key, row)
     return row
 
 
@@ -318,20 +264,14 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     rows: list[dict[str, Any]] = []
     not_run: list[dict[str, Any]] = []
     keys = {
-        job: _digest(asdict(spec) | {"rows": None, "jobs": None}, start_hash, jobs[job]["order"], *sorted((work / "job").glob(f"{job}_*.jsonl")))
+        job: digest(asdict(spec) | {"rows": None, "jobs": None}, start_hash, jobs[job]["order"], *sorted((work / "job").glob(f"{job}_*.jsonl")))
         for job in spec.jobs
     }  # fmt: skip
     counts = ", ".join(f"{j}: {jobs[j]['eval_questions']}" for j in spec.jobs)
     log(f"held-out EM of the starting model ({counts} questions, greedy), own process")
     configs = {job: job_config(spec, job, work).model_dump() for job in spec.jobs}
-    start = {
-        "name": "eval_start",
-        "kind": "eval",
-        "configs": configs,
-        "threads": spec.threads,
-        "out": str(work / "rows" / "eval_start"),
-    }
-    evals = run_row(start, work / "rows" / "eval_start", _digest(keys), log)["eval"]
+    start = {"name": "eval_start", "kind": "eval", "configs": configs, "threads": spec.threads, "out": str(work / "rows" / "eval_start")}
+    evals = run_row(start, work / "rows" / "eval_start", digest(keys), log)["eval"]
     for name in spec.rows:
         meta, job = ROWS[name], ROWS[name]["job"]
         if job not in spec.jobs:
@@ -344,7 +284,7 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
             "out": str(folder), "eval_start": evals[job], "order": jobs[job]["order"], "trl_loss": LOSS_PAIRS[spec.loss],
         }  # fmt: skip
         log(f"{name}: {spec.steps} steps x {spec.prompts_per_step} prompts, own process")
-        row = run_row(task, folder, _digest(keys[job], name), log)
+        row = run_row(task, folder, digest(keys[job], name), log)
         rows.append({**{k: v for k, v in meta.items() if k != "fields"}, "name": name, **row})
         if meta["system"] == "trl":
             not_run.append(_trl_multi_turn_not_run(row["settings"]["probes"]["tools"]))
@@ -361,9 +301,7 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "checks": checks(table),
         "wall_s": time.perf_counter() - t0,
     }
-    atomic_write_json(out, results)
-    plot(results, out.with_suffix(".png"))
-    log(f"wrote {out} and {out.with_suffix('.png')}")
+    write_result(out, results, plot, log=log)
     return results
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.runner import pyplot, save_figure
+
 #: The issue's targets (this 2-core CPU, side by side in one run).
 TARGETS = {
     "single_turn_cpu_per_token_ratio_max": 0.5,  # treegrpo chain / TRL, CPU-s (rollout + update) per generated token
@@ -93,46 +95,18 @@ def checks(table: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rss = _ratio(chain["peak_rss_gb"], trl["peak_rss_gb"])
         out["single_turn_cpu_per_token_ratio"] = cpu
         out["single_turn_cpu_per_token_met"] = cpu <= TARGETS["single_turn_cpu_per_token_ratio_max"]
-        out["single_turn_cpu_per_trajectory_ratio"] = _ratio(
-            chain["cpu_s_per_trajectory"], trl["cpu_s_per_trajectory"]
-        )
+        out["single_turn_cpu_per_trajectory_ratio"] = _ratio(chain["cpu_s_per_trajectory"], trl["cpu_s_per_trajectory"])
         out["single_turn_peak_rss_ratio"] = rss
         out["single_turn_peak_rss_met"] = rss <= TARGETS["single_turn_peak_rss_ratio_max"]
     out["multi_turn_traj_per_1k_ratio"] = None  # TRL has no multi-turn row (see not_run)
     if tree and mchain:  # for reference: against treegrpo's own chains, the same sampling TRL would do
-        out["multi_turn_tree_vs_chain_traj_per_1k_ratio"] = _ratio(
-            tree["trajectories_per_1k_tokens"], mchain["trajectories_per_1k_tokens"]
-        )
+        out["multi_turn_tree_vs_chain_traj_per_1k_ratio"] = _ratio(tree["trajectories_per_1k_tokens"], mchain["trajectories_per_1k_tokens"])
     return out
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    """The README table of a results JSON."""
-    cols = (
-        "job", "system", "sampler", "wall s/step", "rollout CPU-s", "update CPU-s", "gen tok/CPU-s", "trained tok/CPU-s",
-        "computed/trained tok", "CPU-ms/gen tok", "CPU-s/traj", "traj/1k tok", "peak RSS GB", "EM before → after",
-    )  # fmt: skip
-    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
-    lines = [head]
-    for t in results["table"]:
-        lines.append(
-            f"| {t['job']} | {t['system']} | {t['sampler']} | {t['step_wall_s']:.1f} | {t['rollout_cpu_s']:.1f} | "
-            f"{t['update_cpu_s']:.1f} | {t['generated_tokens_per_cpu_s']:.1f} | {t['trained_tokens_per_cpu_s']:.0f} | "
-            f"{t['computed_tokens'] / max(t['trained_tokens'], 1):.2f} | "
-            f"{1000 * t['cpu_s_per_generated_token']:.0f} | {t['cpu_s_per_trajectory']:.2f} | "
-            f"{t['trajectories_per_1k_tokens']:.1f} | {t['peak_rss_gb']:.2f} | "
-            f"{t['em_before']:.3f} → {t['em_after']:.3f} |"
-        )
-    return "\n".join(lines)
 
 
 def plot(results: dict[str, Any], png: Path) -> None:
     """CPU seconds per generated token (rollout / update), peak RSS, held-out EM before/after, per row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     table = results["table"]
     names = [t["name"].replace("/", "\n") for t in table]
     xs = list(range(len(table)))
@@ -160,6 +134,4 @@ def plot(results: dict[str, Any], png: Path) -> None:
     ax.set_title(f"held-out EM (greedy), {steps} steps")
     ax.legend()
     fig.suptitle("treegrpo vs TRL GRPOTrainer on the same job")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)

@@ -19,12 +19,9 @@ from typing import Any
 
 import torch
 
+from treegrpo.benchmarks.runner import held_out_eval
 from treegrpo.io import atomic_write_json
-from treegrpo.rollout.agent import StepRunner
-from treegrpo.rollout.engine import make_engine
 from treegrpo.train.config import TrainConfig
-from treegrpo.train.evaluate import evaluate
-from treegrpo.train.setup import build_run
 from treegrpo.train.trainer import train
 from treegrpo.tree import read_forests
 
@@ -45,22 +42,12 @@ def versions() -> dict[str, str | None]:
 def evaluate_model(cfg: TrainConfig) -> dict[str, float]:
     """treegrpo's held-out evaluation (the agent loop, greedy) of the model ``cfg.model`` on the
     job of ``cfg``: the one evaluation every row of the bench is measured with."""
-    parts = build_run(cfg)
-    engine = make_engine(
-        cfg.engine, parts.model.eval(), parts.tokenizer, device=cfg.device, **cfg.engine_options
-    )
-    runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
-    return evaluate(runner, parts.eval_tasks, sampled=False)
+    return held_out_eval(cfg, sampled=False)["eval"]
 
 
 def common_settings(cfg: TrainConfig) -> dict[str, Any]:
     """What every row records about how it ran, beyond its side's own config."""
-    return {
-        "threads": torch.get_num_threads(),
-        "versions": versions(),
-        "model_dir": cfg.model,
-        "device": cfg.device,
-    }
+    return {"threads": torch.get_num_threads(), "versions": versions(), "model_dir": cfg.model, "device": cfg.device}
 
 
 def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
@@ -89,9 +76,7 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
         "trajectories": [int(m["rollout/trajectories"]) for m in steps],
         "tool_calls": [int(m["budget/tool_calls"]) for m in steps],
         "reward_mean": [m["reward/mean"] for m in steps],
-        "peak_rss_gb": steps[-1][
-            "mem/peak_rss_gb"
-        ],  # the high-water mark after the last update, before its evaluation
+        "peak_rss_gb": steps[-1]["mem/peak_rss_gb"],  # the high-water mark after the last update, before its evaluation
         "eval_before": summary.eval_start,
         "eval_after": summary.eval_end,
         "em_before": summary.eval_start["eval/success_greedy"],
@@ -99,9 +84,7 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
         "prompts_seen": prompts,
         "settings": {
             **common_settings(cfg),
-            "group_size": recorded["group_size"]
-            if recorded["sampler"] == "chain"
-            else cfg.trajectories_per_prompt(),
+            "group_size": recorded["group_size"] if recorded["sampler"] == "chain" else cfg.trajectories_per_prompt(),
             "max_new_tokens": recorded["max_step_tokens"],
             "lr": recorded["lr"],
             "loss": recorded["agg_mode"],

@@ -1,41 +1,26 @@
-"""``treegrpo bench real``: a real pretrained model end to end on this CPU — warm-up, paired RL, step costs.
-
-On SmolLM2-135M-Instruct (the built-in ``smollm2-135m``) and the built-in ``wiki-vital-qa``
-questions over the ``wiki-vital`` corpus, in one work folder (``--work``), stage by stage:
-
-1. **warm-up** (:func:`~treegrpo.train.warmup_run.run_warmup`, exactly ``treegrpo warmup``): SFT on
-   ``demos`` protocol demonstrations; the held-out well-formed rate and EM (greedy) before and after.
-2. **RL, paired**: from the warm-up folder, Tree-GRPO (2,2,1) and chain GRPO with 4 chains per
-   prompt, the same seed, the same prompts every step (the prompt order comes from the seed), the
-   same held-out questions; held-out EM and well-formed rate before (the warm-up's ``after``:
-   evaluation is greedy and deterministic) and after ``rl_steps`` steps; the budget each spent.
-3. **step costs** (:mod:`treegrpo.benchmarks.real_costs`): the engine's generated tokens per
-   CPU-second vs ``model.generate`` on the same prompts (greedy, same stop strings); one (2,2,1)
-   step of 2 prompts per path, packed, and packed with LoRA, each in its own process: update seconds
-   and peak RSS.
-
-A stage whose output is already in the work folder with the same settings is reused (so an
-interrupted benchmark resumes at the stage it was in); the results JSON records every setting,
-figure and target. The PNG (:func:`plot`) shows the three stages side by side.
+"""``treegrpo bench real``: a real pretrained model end to end on this CPU, in one work folder
+(``--work``), stage by stage: the **warm-up** (exactly ``treegrpo warmup``: held-out well-formed
+rate and EM, greedy, before and after), **paired RL** from its output (Tree-GRPO (2,2,1) and
+chain 4 with the same seed, prompts and held-out questions), the **step costs**
+(:mod:`treegrpo.benchmarks.real_costs`). A stage already in the work folder with the same settings
+is reused, so an interrupted run resumes at the stage it was in. ``--table``:
+:mod:`treegrpo.benchmarks.real_table`. The figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.provenance import provenance
 from treegrpo.benchmarks.real_costs import engine_vs_generate, step_costs
-from treegrpo.io import atomic_write_json
+from treegrpo.benchmarks.runner import Log, pyplot, save_figure, write_result
 from treegrpo.train.config import TrainConfig
 from treegrpo.train.trainer import TrainSummary, train
 from treegrpo.train.warmup_run import REAL_MODEL_SFT, RECORD_FILE, WarmupRun, run_warmup
-
-Log = Callable[[str], None]
 
 #: The issue's targets (this 2-core CPU).
 TARGETS = {
@@ -91,19 +76,10 @@ RL_RUNS: dict[str, dict[str, Any]] = {
 
 def base_config(spec: RealSpec, **fields: Any) -> TrainConfig:
     """The run config every stage shares: model, questions, corpus, greedy-only evaluation."""
-    return TrainConfig(
-        **{
-            "model": spec.model,
-            "data": spec.data,
-            "corpus": spec.corpus,
-            "eval_prompts": spec.eval_prompts,
-            "eval_sampled": False,
-            "seed": spec.seed,
-            "tensorboard": False,
-            **spec.overrides,
-            **fields,
-        }
-    )
+    return TrainConfig(**{
+        "model": spec.model, "data": spec.data, "corpus": spec.corpus, "eval_prompts": spec.eval_prompts,
+        "eval_sampled": False, "seed": spec.seed, "tensorboard": False, **spec.overrides, **fields,
+    })  # fmt: skip
 
 
 def warmup_stage(spec: RealSpec, work: Path, log: Log) -> dict[str, Any]:
@@ -126,16 +102,9 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
     for name, fields in RL_RUNS.items():
         run_dir = work / f"rl_{name}"
         cfg = base_config(
-            spec,
-            model=str(work / "warm"),
-            out_dir=str(run_dir),
-            steps=spec.rl_steps,
-            prompts_per_step=spec.prompts_per_step,
-            lr=spec.rl_lr,
-            eval_every=spec.rl_steps,
-            save_every=spec.rl_steps,
-            **fields,
-        )
+            spec, model=str(work / "warm"), out_dir=str(run_dir), steps=spec.rl_steps, prompts_per_step=spec.prompts_per_step,
+            lr=spec.rl_lr, eval_every=spec.rl_steps, save_every=spec.rl_steps, **fields,
+        )  # fmt: skip
         summary = TrainSummary.read(run_dir / "summary.json")
         if summary is None or not _same_run(run_dir, cfg):
             log(f"RL {name}: {spec.rl_steps} steps × {spec.prompts_per_step} prompts")
@@ -143,19 +112,14 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         steps = [r for r in rows if r.get("step", 0) > 0 and "rollout/trajectories" in r]
         out[name] = {
-            "config": fields,
-            "eval_before": summary.eval_start,
-            "eval_after": summary.eval_end,
-            "trajectories": summary.trajectories,
-            "generated_tokens": summary.generated_tokens,
-            "prefill_tokens": summary.prefill_tokens,
-            "tool_calls": summary.tool_calls,
-            "rollout_s": summary.rollout_s,
-            "update_s": summary.update_s,
+            "config": fields, "eval_before": summary.eval_start, "eval_after": summary.eval_end,
+            "trajectories": summary.trajectories, "generated_tokens": summary.generated_tokens,
+            "prefill_tokens": summary.prefill_tokens, "tool_calls": summary.tool_calls,
+            "rollout_s": summary.rollout_s, "update_s": summary.update_s,
             "reward_mean_per_step": [r.get("reward/mean") for r in steps],
             "informative_groups_per_step": [r.get("rollout/informative_groups") for r in steps],
             "well_formed_per_step": [r.get("rollout/answered_frac") for r in steps],
-        }
+        }  # fmt: skip
     return out
 
 
@@ -182,9 +146,7 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
     log("costs: engine vs model.generate")
     gen = engine_vs_generate(base_config(spec, model=str(work / "warm")), spec.cost_prompts, log)
     log(f"costs: one step per mode {spec.cost_modes}")
-    steps = step_costs(
-        work / "warm", spec.data, spec.corpus, spec.seed, spec.overrides, spec.cost_modes, work / "costs", log
-    )
+    steps = step_costs(work / "warm", spec.data, spec.corpus, spec.seed, spec.overrides, spec.cost_modes, work / "costs", log)
     before, after = warm["eval_before"], warm["eval_after"]
     checks = {
         "warmup_well_formed": after["eval/well_formed_greedy"] >= TARGETS["warmup_well_formed_min"],
@@ -204,14 +166,9 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
         "provenance": provenance(model_dir=spec.model),
         "spec": asdict(spec),
         "warmup": {
-            "demos": warm["demos"],
-            "mean_tokens": warm["mean_tokens"],
-            "sft": warm["sft"],
-            "well_formed_before": before["eval/well_formed_greedy"],
-            "well_formed_after": after["eval/well_formed_greedy"],
-            "em_before": before["eval/success_greedy"],
-            "em_after": after["eval/success_greedy"],
-            "wall_s": warm["wall_s"],
+            "demos": warm["demos"], "mean_tokens": warm["mean_tokens"], "sft": warm["sft"],
+            "well_formed_before": before["eval/well_formed_greedy"], "well_formed_after": after["eval/well_formed_greedy"],
+            "em_before": before["eval/success_greedy"], "em_after": after["eval/success_greedy"], "wall_s": warm["wall_s"],
         },
         "rl": rl,
         "engine_vs_generate": gen,
@@ -220,9 +177,7 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
         "checks": checks,
         "wall_s": time.perf_counter() - t0,
     }
-    atomic_write_json(out, results)
-    plot(results, out.with_suffix(".png"))
-    log(f"wrote {out} and {out.with_suffix('.png')}")
+    write_result(out, results, plot, log=log)
     return results
 
 
@@ -247,11 +202,7 @@ def table_bench(
 
 def plot(results: dict[str, Any], png: Path) -> None:
     """Warm-up before/after, RL tree vs chain before/after, and step costs, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     w = results["warmup"]
     ax = axes[0]
@@ -284,6 +235,4 @@ def plot(results: dict[str, Any], png: Path) -> None:
     ax.set_ylabel("peak RSS of one (2,2,1) step, GB")
     g = results["engine_vs_generate"]
     ax.set_title(f"step costs · engine {g['ratio']:.2f}× generate (tok/CPU-s)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)

@@ -21,56 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from treegrpo.io import atomic_write_json
+from treegrpo.benchmarks.runner import Log, finished_row, keep_row, run_measured
 from treegrpo.train.config import TrainConfig
-
-Log = Callable[[str], None]
 
 MODES: dict[str, list[str]] = {
     "paths": ["--set", "packing=off"],
     "packed": ["--set", "packing=on"],
     "lora": ["--set", "packing=on", "--set", "lora_rank=16"],
 }
-
-# Runs in a fresh interpreter: start the command as its child (its stdout joins stderr, so the last
-# stdout line is this report), report that child's peak RSS.
-_MIDDLE = """
-import json, resource, subprocess, sys, time
-t = time.perf_counter()
-rc = subprocess.run(json.loads(sys.argv[1]), stdout=sys.stderr.fileno()).returncode
-peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
-print(json.dumps({"rc": rc, "peak_kb": peak_kb, "wall_s": time.perf_counter() - t}))
-"""
-
-
-def run_measured(cmd: list[str], log: Path | None = None) -> dict[str, Any]:
-    """Run ``cmd`` in a process of its own (the child of a fresh middle process, so no other run
-    shares its maximum): ``{"rc", "peak_rss_gb", "wall_s", "stderr"}``. The command's output goes to
-    ``log`` when given (``stderr`` is then ``""``), else it is captured into ``stderr``."""
-    middle = [sys.executable, "-c", _MIDDLE, json.dumps(cmd)]
-    if log is None:
-        res = subprocess.run(middle, capture_output=True, text=True, check=False)
-    else:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as fh:
-            res = subprocess.run(middle, stdout=subprocess.PIPE, stderr=fh, text=True, check=False)
-    got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
-    return {
-        "rc": got.get("rc", 1),
-        "peak_rss_gb": got.get("peak_kb", 0) / 2**20,
-        "wall_s": got.get("wall_s", 0.0),
-        "stderr": res.stderr or "",
-    }
-
 
 def _generated(new_ids: list[int], stop_ids: set[int], tok: Any, stops: tuple[str, ...]) -> int:
     """Tokens of one ``generate`` row up to and including its stop (EOS/pad or a stop string)."""
@@ -143,8 +108,8 @@ def step_costs(
             *(x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")),
         ]  # fmt: skip
         done = run_dir / "cost.json"  # a mode measured before with the same command is reused
-        if done.is_file() and (prev := json.loads(done.read_text())).get("command") == cmd[4:]:
-            out[mode] = prev["row"]
+        if (prev := finished_row(done, cmd[4:], field="command")) is not None:
+            out[mode] = prev
             log(f"  {mode}: reusing {done}")
             continue
         got = run_measured(cmd)
@@ -158,7 +123,7 @@ def step_costs(
             if rows and k in rows[-1]:
                 row[k.split("/")[-1]] = rows[-1][k]
         out[mode] = row
-        atomic_write_json(done, {"command": cmd[4:], "row": row})
+        keep_row(done, cmd[4:], row, field="command")
         parts = ", ".join(f"{g} {row[f'peak_rss_{g}_gb']:.2f}" for g in ("rollout", "update") if f"peak_rss_{g}_gb" in row)
         log(f"  {mode}: peak {row['peak_rss_gb']:.2f} GB ({parts}), update {row.get('update_s', float('nan')):.1f} s")
     return out

@@ -1,50 +1,33 @@
 """``treegrpo bench real --table``: the paper's budget table on any model — chain GRPO vs Tree-GRPO
-at matched budgets, paired, from one starting folder.
+at matched budgets (chain 2 ↔ tree (1,2,1), chain 4 ↔ tree (2,2,1)), paired per seed (the same
+starting folder, prompts in the same order and held-out questions), held-out EM greedy and sampled
+at the start (once) and at the end of every run (and every ``eval_every`` steps: the EM curves).
 
-For every budget B (the paper's pairs: chain 2 ↔ tree (1,2,1), chain 4 ↔ tree (2,2,1)) and every
-seed, the two runs share the starting folder, the seed (so the same prompts in the same order) and
-the held-out questions; each trains ``steps`` steps of ``prompts_per_step`` prompts. Held-out EM is
-measured greedy and sampled at T=1 on ``eval_prompts`` questions at the start (once: evaluation
-draws from its own fixed stream, so every run starts from the same figures) and at the end of every
-run (and every ``eval_every`` steps, for the EM-per-generated-token curves). Budgets are measured
-(generated tokens, tool calls, trajectories) and shown beside the nominal chain count.
-
-Resumable: each run lives in ``work/runs/<label>-<digest of its settings>`` and checkpoints every
-step, so an interrupted table resumes in the run it was in, and a finished run is reused only when
-its settings match. The rows are :data:`~treegrpo.benchmarks.learn_spec.ROW_KEYS` (as ``bench
-learn`` writes them) plus :data:`EXTRA_KEYS`; ``paired`` holds tree − chain per budget and seed.
+Resumable: each run lives in ``work/runs/<label>-s<seed>-<digest of its settings>`` and checkpoints
+every step; a finished run is reused only when its settings match. The rows are
+:data:`~treegrpo.benchmarks.learn_spec.ROW_KEYS` plus :data:`EXTRA_KEYS`; ``paired`` holds
+tree − chain per budget and seed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.learn_spec import RunSpec
 from treegrpo.benchmarks.provenance import provenance
+from treegrpo.benchmarks.runner import Log, digest, held_out_eval, pyplot, save_figure, write_result
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.rollout.planner import PAPER_PAIRS
 
-Log = Callable[[str], None]
-
 FORMAT = "treegrpo.bench.real_table/v1"
 #: Row keys beyond ``bench learn``'s.
-EXTRA_KEYS: tuple[str, ...] = (
-    "em_greedy_start",
-    "eval_prompts",
-    "prompt_ids",
-    "prefill_tokens",
-    "rollout_s",
-    "update_s",
-    "run_dir",
-)
+EXTRA_KEYS: tuple[str, ...] = ("em_greedy_start", "eval_prompts", "prompt_ids", "prefill_tokens", "rollout_s", "update_s", "run_dir")
 #: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
 PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
 
@@ -79,17 +62,9 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if bad := [b for b in self.budgets if b not in PAPER_PAIRS]:
-            raise ConfigError(
-                f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}"
-            )
-        if (
-            not self.seeds
-            or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1
-            or self.eval_every < 0
-        ):
-            raise ConfigError(
-                "the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)"
-            )
+            raise ConfigError(f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}")
+        if not self.seeds or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1 or self.eval_every < 0:
+            raise ConfigError("the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)")
 
     def runs(self) -> list[RunSpec]:
         """Chain then tree for every budget and seed (the pairs next to each other)."""
@@ -112,10 +87,6 @@ class TableSpec:
         }  # fmt: skip
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
-
-
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label).strip("_")
 
@@ -123,15 +94,11 @@ def _slug(label: str) -> str:
 def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     """The starting folder's held-out evaluation (greedy and sampled) and the questions' ids,
     computed once and kept in ``work``."""
-    from treegrpo.rollout.agent import StepRunner
-    from treegrpo.rollout.engine import make_engine
     from treegrpo.train.config import TrainConfig
-    from treegrpo.train.evaluate import evaluate
-    from treegrpo.train.setup import build_run
 
     probe = spec.config(spec.runs()[0], str(work / "unused"))
     keep = {k: probe[k] for k in ("model", "data", "corpus", "eval_prompts")} | spec.overrides
-    path = work / f"eval_start-{_digest(keep)}.json"
+    path = work / f"eval_start-{digest(keep, length=10)}.json"
     if path.is_file():
         log(f"start evaluation: reusing {path}")
         return json.loads(path.read_text())
@@ -141,25 +108,14 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
 
         torch.set_num_threads(cfg.threads)
     log(f"start evaluation: {spec.eval_prompts} held-out questions, greedy and sampled")
-    parts = build_run(cfg)
-    engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
-    t0 = time.perf_counter()
-    ev = evaluate(
-        StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg), parts.eval_tasks, sampled=True
-    )
-    done = {
-        "settings": keep,
-        "eval": ev,
-        "eval_ids": [t.id for t in parts.eval_tasks],
-        "wall_s": time.perf_counter() - t0,
-    }
+    done = {"settings": keep, **held_out_eval(cfg, sampled=True)}
     atomic_write_json(path, done)
     return done
 
 
 def run_folder(spec: TableSpec, run: RunSpec, work: Path) -> Path:
     """The run's folder: its label, seed and a digest of every setting (another setting, another folder)."""
-    return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{_digest(spec.config(run, ''))}"
+    return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{digest(spec.config(run, ''), length=10)}"
 
 
 def run_one(
@@ -218,12 +174,8 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
         summary: dict[str, Any] = {"pairs": pairs}
         for k in ("diff_sampled", "diff_greedy", "generated_tokens_ratio", "trajectories_ratio"):
             xs = [p[k] for p in pairs]
-            summary[k] = {
-                "mean": statistics.fmean(xs),
-                "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-                "min": min(xs),
-                "max": max(xs),
-            }
+            sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            summary[k] = {"mean": statistics.fmean(xs), "sd": sd, "min": min(xs), "max": max(xs)}
         summary["tree_wins_sampled"] = sum(p["diff_sampled"] > 0 for p in pairs)
         out[str(b)] = summary
     return out
@@ -246,19 +198,13 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "paper": PAPER,
         "wall_s": time.perf_counter() - t0,
     }
-    atomic_write_json(out, results)
-    plot(results, out.with_suffix(".png"))
-    log(f"wrote {out} and {out.with_suffix('.png')}")
+    write_result(out, results, plot, log=log)
     return results
 
 
 def plot(results: dict[str, Any], png: Path) -> None:
     """Held-out EM (sampled) against generated tokens per run, and the paired differences per budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
     for r in results["rows"]:
         xs, ys = zip(*r["em_curve"], strict=True) if r["em_curve"] else ((), ())
@@ -279,15 +225,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
         bx.errorbar(i - 0.1, p["diff_sampled"]["mean"], yerr=p["diff_sampled"]["sd"], color="k", capsize=4)
         bx.errorbar(i + 0.1, p["diff_greedy"]["mean"], yerr=p["diff_greedy"]["sd"], color="grey", capsize=4)
     bx.axhline(0, color="grey", lw=1)
-    bx.set_xticks(
-        range(len(budgets)),
-        [
-            f"budget {b}\ntree/chain tokens {results['paired'][b]['generated_tokens_ratio']['mean']:.2f}×"
-            for b in budgets
-        ],
-    )
+    ratios = [results["paired"][b]["generated_tokens_ratio"]["mean"] for b in budgets]
+    bx.set_xticks(range(len(budgets)), [f"budget {b}\ntree/chain tokens {r:.2f}×" for b, r in zip(budgets, ratios, strict=True)])
     bx.set_ylabel("tree − chain EM at the end (orange sampled, green greedy)")
     bx.set_title("paired differences per seed (mean ± sd)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)

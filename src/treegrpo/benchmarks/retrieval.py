@@ -1,22 +1,8 @@
-"""Retrieval benchmark on ``wiki-vital``: recall@k of each retriever through the HTTP server, and
-the server's throughput under a bounded loopback load test (``treegrpo bench retrieval``).
-
-Queries (``benchmarks/retrieval_queries.jsonl``; the method is in ``benchmarks/retrieval.md``) —
-two sets of 500 articles each, sampled with a fixed seed, one query per article, target = that
-article:
-
-- ``description``: the article's short Wikidata-style description (e.g. "Painting by Georges
-  Seurat"), which is *not* part of the corpus text, with the title's content words removed.
-  Paraphrase-like: the words a user would type, not the article's wording.
-- ``masked_first_sentence``: the first sentence of the article's summary with the title's content
-  words removed. This sentence *is* in the corpus, so this set rewards exact lexical overlap.
-
-Nothing is tuned on these queries (hybrid fusion uses fixed, documented settings).
-
-Each retriever kind is served by ``treegrpo serve-retriever`` in a subprocess on a free loopback
-port and queried with :class:`~treegrpo.retrieval.client.HTTPRetriever`, exactly as a training
-run would. The baseline "plain bm25s" is a default ``bm25s`` index (``bm25s.tokenize`` defaults:
-English stop words, no stemming), queried in-process.
+"""``treegrpo bench retrieval``: recall@k on ``wiki-vital`` of each retriever through the HTTP
+server (``treegrpo serve-retriever`` in a subprocess, queried with
+:class:`~treegrpo.retrieval.client.HTTPRetriever` as a training run would; the baseline plain
+``bm25s`` in process), and the server's throughput under a bounded loopback load test. The query
+sets and the method: ``benchmarks/retrieval.md``.
 """
 
 from __future__ import annotations
@@ -79,7 +65,7 @@ def content_words(text: str) -> int:
 
 
 def make_queries(n: int = 500, seed: int = 0) -> list[dict[str, Any]]:
-    """The two query sets (see the module docstring); ``gold_id`` is the wiki-vital document id."""
+    """The two query sets (benchmarks/retrieval.md); ``gold_id`` is the wiki-vital document id."""
     from treegrpo.retrieval.wiki import load_articles
 
     articles = load_articles()

@@ -1,5 +1,6 @@
 """The plumbing every ``treegrpo bench …`` shares: run configurations in their own processes and
-collect their rows, carry on from an earlier result (``--resume``: the rows of the result JSON, or
+collect their rows (or one command in a process of its own, its peak RSS measured), key a run by
+its settings, carry on from an earlier result (``--resume``: the rows of the result JSON, or
 a finished run's own ``done`` file in a work folder), write the result JSON atomically and draw its
 figure, set torch's threads meanwhile.
 
@@ -10,8 +11,12 @@ about any bench (it imports none of them).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -130,15 +135,77 @@ def write_result(
     plot_of: Callable[[dict[str, Any]], Any] | None = None,
     indent: int = 1,
     newline: bool = False,
+    log: Log | None = None,
 ) -> Path:
     """Write ``doc`` to ``out`` as JSON, atomically (an interrupted write leaves the old file), and
-    when ``plot`` is given draw ``plot(plot_of(doc) or doc, png)`` beside it; returns the PNG path."""
+    when ``plot`` is given draw ``plot(plot_of(doc) or doc, png)`` beside it; ``log`` says what was
+    written. Returns the PNG path."""
     out = Path(out)
     atomic_write_text(out, json.dumps(doc, indent=indent) + ("\n" if newline else ""))
     png = out.with_suffix(".png")
     if plot is not None:
         plot(doc if plot_of is None else plot_of(doc), png)
+    if log is not None:
+        log(f"wrote {out} and {png}" if plot is not None else f"wrote {out}")
     return png
+
+
+def digest(*parts: Any, length: int = 16) -> str:
+    """The first ``length`` hex digits of the SHA-256 of ``parts`` in turn: a :class:`Path`'s bytes,
+    anything else as sorted-key JSON (``str`` for what JSON cannot hold). A run's key in its work
+    folder: the same settings give the same key in a later session."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(Path(p).read_bytes() if isinstance(p, Path) else json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:length]
+
+
+# Runs in a fresh interpreter: start the command as its child (its stdout joins stderr, so the last
+# stdout line is this report), report that child's peak RSS.
+_MIDDLE = """
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.run(json.loads(sys.argv[1]), stdout=sys.stderr.fileno()).returncode
+peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
+print(json.dumps({"rc": rc, "peak_kb": peak_kb, "wall_s": time.perf_counter() - t}))
+"""
+
+
+def run_measured(cmd: list[str], log: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in a process of its own (the child of a fresh middle process, so no other run
+    shares its maximum): ``{"rc", "peak_rss_gb", "wall_s", "stderr"}``. The command's output goes to
+    ``log`` when given (``stderr`` is then ``""``), else it is captured into ``stderr``."""
+    middle = [sys.executable, "-c", _MIDDLE, json.dumps(cmd)]
+    if log is None:
+        res = subprocess.run(middle, capture_output=True, text=True, check=False)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as fh:
+            res = subprocess.run(middle, stdout=subprocess.PIPE, stderr=fh, text=True, check=False)
+    got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
+    return {
+        "rc": got.get("rc", 1),
+        "peak_rss_gb": got.get("peak_kb", 0) / 2**20,
+        "wall_s": got.get("wall_s", 0.0),
+        "stderr": res.stderr or "",
+    }
+
+
+def held_out_eval(cfg: Any, sampled: bool) -> dict[str, Any]:
+    """treegrpo's held-out evaluation (the agent loop; greedy, and sampled when ``sampled``) of
+    the run config ``cfg``'s model on its job: ``{"eval", "eval_ids"`` (the questions asked),
+    ``"wall_s"`` (the evaluation's, loading excluded)``}``."""
+    from treegrpo.rollout.agent import StepRunner
+    from treegrpo.rollout.engine import make_engine
+    from treegrpo.train.evaluate import evaluate
+    from treegrpo.train.setup import build_run
+
+    parts = build_run(cfg)
+    engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
+    runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
+    t0 = time.perf_counter()
+    ev = evaluate(runner, parts.eval_tasks, sampled=sampled)
+    return {"eval": ev, "eval_ids": [t.id for t in parts.eval_tasks], "wall_s": time.perf_counter() - t0}
 
 
 def pyplot() -> Any:
@@ -175,13 +242,16 @@ def option_flags(values: dict[str, Any]) -> str:
 __all__ = [
     "Log",
     "Shape",
+    "digest",
     "finished_row",
+    "held_out_eval",
     "keep_row",
     "make_console",
     "option_flags",
     "pyplot",
     "resume_rows",
     "run_jobs",
+    "run_measured",
     "save_figure",
     "spread",
     "torch_threads",

@@ -1,13 +1,9 @@
-"""``treegrpo bench scale``: one process against K data-parallel processes (torchrun, gloo on the CPU).
-
-Each world size trains the same run (seed, prompts per step, model) for a few steps through the
-real command line (``treegrpo train``, ``--nproc K``), one torch thread per process. Per step the
-trainer logs the slowest rank's phase times (``time/rollout_cpu_s``, ``time/update_cpu_s``: CPU
-seconds of the process, robust to other jobs on a shared machine; ``time/*_s``: wall). The first
-step (warm-up) is dropped and the median of the rest reported. Scaling efficiency at K processes
-is ``T_1 / (K · T_K)`` for the whole step, the rollout and the update. The ranks' rollouts draw
-from their own streams, so the K-process runs do not generate the very same tokens as one
-process: the generated tokens per step are reported beside the times.
+"""``treegrpo bench scale``: one process against K data-parallel processes (torchrun, gloo on the
+CPU), each world size training the same run through ``treegrpo train --nproc K`` (the method and
+the figures: benchmarks/README.md). Per step the slowest rank's CPU seconds (rollout, update; wall
+beside them), the first step dropped, the median of the rest; efficiency at K is
+``T_1 / (K · T_K)``. The ranks draw from their own streams, so the generated tokens per step are
+reported beside the times.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""``treegrpo bench stateful``: branching a stateful tool — cost, exactness, and learning.
-
-1. **Cost per expansion** (``cost``): getting a node's database state on the SQL env by restore
-   (``snapshot`` mode) vs by replay (``replay`` mode), side by side, at depths 1/3/5/8 of a chain of
-   writes and reads (:func:`~treegrpo.benchmarks.stateful_exact.expansion_cost`: ms and replayed
-   tool calls per expansion; also the time to take a snapshot, which snapshot mode pays at every
-   node that goes on). ``rollout`` puts it in context: whole tree rollouts of random SQL actions
-   (the real sampler, no model) in each mode, wall time and replayed tool calls per expansion.
-2. **Exactness** (``exactness``): random trees of mutating actions on the SQL env and the
-   key-value world, grown in every state mode; ``mismatches`` counts trees where a node differs
-   from a replay of its own path or the modes disagree
-   (:func:`~treegrpo.benchmarks.stateful_exact.check_exactness`).
-3. **Learning** (``rows``, ``summary``, ``compare``): chain GRPO vs Tree-GRPO on ``--task sql``
-   from the cached tiny SQL agent at budgets 2 and 4, paired as in ``bench learn``
-   (:func:`~treegrpo.benchmarks.learn.plan_runs`: the paper's matched (M,N,L), random picks, the
-   same seeds, so the runs of one seed see the same prompts); held-out EM (sampled and greedy) at
-   the start and the end, tool calls per trajectory.
-
-``--quick`` shrinks every part (a fast test runs it). The JSON records the exact command, the
-model and the commit.
+"""``treegrpo bench stateful``: branching a stateful tool — cost, exactness, and learning (what
+each part runs and the figures: benchmarks/README.md). ``cost``: a node's SQL database state by
+restore vs by replay per depth, and whole random-action rollouts in each mode
+(:func:`~treegrpo.benchmarks.stateful_exact.expansion_cost`); ``exactness``: random trees in every
+state mode against a replay of each node's path
+(:func:`~treegrpo.benchmarks.stateful_exact.check_exactness`); ``rows`` / ``summary`` /
+``compare``: chain GRPO vs Tree-GRPO on ``--task sql`` at budgets 2 and 4, paired as in ``bench
+learn`` (:func:`~treegrpo.benchmarks.learn.plan_runs`). ``--quick`` shrinks every part.
 """
 
 from __future__ import annotations
@@ -111,7 +99,7 @@ def learn_part(
     budgets: list[int], seeds: int, steps: int, prompts_per_step: int, lr: float, eval_prompts: int, log: Any,
     model_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Chain vs tree training runs on ``--task sql`` (module docstring, part 3) from ``model_dir``
+    """Chain vs tree training runs on ``--task sql`` (the module docstring's ``rows``) from ``model_dir``
     (default: the cached tiny SQL agent, bootstrapped on first use), one after the other."""
     from treegrpo.tasks.sql.bootstrap import ensure_sql_bootstrapped
 

@@ -93,24 +93,14 @@ def read_corpus(path: str | Path) -> list[Doc]:
     p = Path(path)
     if not p.is_file():
         raise CorpusError(f'{p}: no such corpus file (expected JSONL lines of {{"id", "contents"}})')
+    from treegrpo.io import jsonl_objects
+
     docs: list[Doc] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise CorpusError(f"{p}:{lineno}: each line must be a JSON object")
-            contents = row.get("contents")
-            if not isinstance(contents, str) or not contents.strip():
-                raise CorpusError(
-                    f"{p}:{lineno}: field 'contents' must be a non-empty string (title on its first line)"
-                )
-            doc_id = row.get("id", str(len(docs)))
-            docs.append(Doc(str(doc_id), contents))
+    for _, where, row in jsonl_objects(p, CorpusError):
+        contents = row.get("contents")
+        if not isinstance(contents, str) or not contents.strip():
+            raise CorpusError(f"{where}: field 'contents' must be a non-empty string (title on its first line)")
+        docs.append(Doc(str(row.get("id", str(len(docs)))), contents))
     if not docs:
         raise CorpusError(f"{p}: the corpus is empty")
     return docs

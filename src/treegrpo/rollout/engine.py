@@ -31,6 +31,7 @@ __all__ = [
     "Generation",
     "SamplingParams",
     "UnknownEngineError",
+    "check_request",
     "make_engine",
     "release_engine_cache",
 ]
@@ -61,6 +62,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     return_entropy: bool = False
+
+
+def check_request(contexts: Sequence[Sequence[int]], params: SamplingParams, max_len: int | None, limit: str) -> None:
+    """ValueError (one line) on a request no engine serves: a sampling setting out of range, an
+    empty stop string, an empty context, or a context that with ``max_new_tokens`` runs past
+    ``max_len`` (``None``: no bound; ``limit`` names the bound in the message)."""
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if any(not s for s in params.stop_strings):
+        raise ValueError("stop_strings must be non-empty strings")
+    for i, ctx in enumerate(contexts):
+        if len(ctx) == 0:
+            raise ValueError(f"context {i} is empty: a step needs at least one context token")
+        if max_len is not None and len(ctx) + params.max_new_tokens > max_len:
+            raise ValueError(
+                f"context {i} has {len(ctx)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds {limit}={max_len}"
+            )
 
 
 @dataclass

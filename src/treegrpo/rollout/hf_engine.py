@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from treegrpo.rollout.engine import Generation, SamplingParams
+from treegrpo.rollout.engine import Generation, SamplingParams, check_request
 from treegrpo.rollout.hf_cache import DECODE_ROOM, row_kv, supports_prefix_reuse
 from treegrpo.rollout.hf_decode import (
     EOS,
@@ -239,24 +239,9 @@ class HFEngine:
 
     def _validate(self, contexts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """Reject requests the engine cannot serve, with a clear message."""
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to HFEngine")
-        if any(not s for s in params.stop_strings):
-            raise ValueError("stop_strings must be non-empty strings")
-        for i, ctx in enumerate(contexts):
-            if len(ctx) == 0:
-                raise ValueError(f"context {i} is empty: a step needs at least one context token")
-            if self.max_positions is not None and len(ctx) + params.max_new_tokens > self.max_positions:
-                raise ValueError(
-                    f"context {i} has {len(ctx)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
-                    f"the model's max_position_embeddings={self.max_positions}"
-                )
+        check_request(contexts, params, self.max_positions, "the model's max_position_embeddings")
 
     # -- batch assembly, prefill, decode -----------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from treegrpo.registry import lookup
 from treegrpo.rollout.eptree import sample_eptree
 from treegrpo.rollout.sampling import ExpandMode, Sampler, SamplerConfig
 from treegrpo.rollout.trees import pick_nodes, sample_chains, sample_trees
@@ -25,10 +26,7 @@ def register_sampler(name: str) -> Callable[[Sampler], Sampler]:
 
 
 def get_sampler(name: str) -> Sampler:
-    try:
-        return SAMPLERS[name]
-    except KeyError:
-        raise ValueError(f"unknown sampler {name!r}; choose one of {sorted(SAMPLERS)}") from None
+    return lookup(SAMPLERS, name, "sampler")
 
 
 __all__ = [

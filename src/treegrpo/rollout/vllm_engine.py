@@ -74,7 +74,7 @@ import torch
 
 from treegrpo.errors import ConfigError
 from treegrpo.models.lora import merged_state_dict
-from treegrpo.rollout.engine import Generation, SamplingParams
+from treegrpo.rollout.engine import Generation, SamplingParams, check_request
 from treegrpo.rollout.vllm_outputs import LOGPROBS_MODE, check_logprobs_mode, eos_ids, to_generation
 from treegrpo.rollout.vllm_weights import (
     chunks,
@@ -287,27 +287,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ requests
 
     def _validate(self, contexts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        if any(not s for s in params.stop_strings):
-            raise ValueError("stop_strings must be non-empty strings")
         if params.return_entropy:
             raise ValueError(
                 "VLLMEngine cannot return full-distribution entropies (vLLM returns top-k log-probs only); "
                 "use -log p of the sampled token (EPTree's default) or HFEngine"
             )
-        for i, ctx in enumerate(contexts):
-            if len(ctx) == 0:
-                raise ValueError(f"context {i} is empty: a step needs at least one context token")
-            if self.max_model_len is not None and len(ctx) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"context {i} has {len(ctx)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
-                    f"vLLM's max_model_len={self.max_model_len}"
-                )
+        check_request(contexts, params, self.max_model_len, "vLLM's max_model_len")
         if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
             self._warned_top_p = True
             warnings.warn(

@@ -30,7 +30,6 @@ Search-R1 server at ``--retriever-url``); with no ``--model`` the search world's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
 from treegrpo.errors import ConfigError
+from treegrpo.io import jsonl_objects
 from treegrpo.models.loader import LoadedModel
 from treegrpo.retrieval.factory import make_retriever
 from treegrpo.tasks.base import TaskFamily, TaskSource
@@ -154,39 +154,25 @@ def _parquet_tasks(p: Path) -> Iterable[Task]:
 
 
 def _jsonl_tasks(p: Path) -> Iterable[Task]:
-    with p.open("rb") as fh:
-        for i, raw in enumerate(fh, 1):
-            where = f"{p}: row {i}"
-            try:
-                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: each line must be a JSON object {{id, question, answers}}")
-            q = row.get("question")
-            if not isinstance(q, str) or not q.strip():
-                raise DataError(f"{where}: field 'question' must be a non-empty string")
-            if "answers" in row:
-                answers = _answers(row["answers"], where, "answers")
-            elif "golden_answers" in row:
-                answers = _answers(row["golden_answers"], where, "golden_answers")
-            else:
-                raise DataError(f"{where}: field 'answers' is missing (a list of gold answers)")
-            tid = row.get("id")
-            meta = {k: v for k, v in row.items() if k not in ("id", "question", "answers", "golden_answers", "data_source")}
-            yield Task(
-                str(tid) if tid is not None else f"{p.stem}-{i - 1}",
-                q.strip(),
-                answers,
-                data_source=str(row.get("data_source") or ""),
-                meta={"row": i, **meta},
-            )
+    for i, where, row in jsonl_objects(p, DataError, "{path}: row {line}", " {id, question, answers}"):
+        q = row.get("question")
+        if not isinstance(q, str) or not q.strip():
+            raise DataError(f"{where}: field 'question' must be a non-empty string")
+        if "answers" in row:
+            answers = _answers(row["answers"], where, "answers")
+        elif "golden_answers" in row:
+            answers = _answers(row["golden_answers"], where, "golden_answers")
+        else:
+            raise DataError(f"{where}: field 'answers' is missing (a list of gold answers)")
+        tid = row.get("id")
+        meta = {k: v for k, v in row.items() if k not in ("id", "question", "answers", "golden_answers", "data_source")}
+        yield Task(
+            str(tid) if tid is not None else f"{p.stem}-{i - 1}",
+            q.strip(),
+            answers,
+            data_source=str(row.get("data_source") or ""),
+            meta={"row": i, **meta},
+        )
 
 
 def _unique_ids(tasks: list[Task]) -> list[Task]:
