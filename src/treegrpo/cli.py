@@ -93,7 +93,7 @@ def train_cmd(
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
     task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic) | sql (a database agent: a stateful tool)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
-    engine: str | None = typer.Option(None, help="Rollout (and evaluation) engine: hf | vllm (vLLM installed; see README)."),
+    engine: str | None = typer.Option(None, help="Rollout (and evaluation) engine: hf | vllm (vLLM installed; see docs/vllm.md)."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
     n: int | None = typer.Option(None, "--n", "--ts-n", help="Tree: expansions per tree per round (N)."),
     l: int | None = typer.Option(None, "--l", "--ts-l", help="Tree: expansion rounds (L)."),
@@ -110,7 +110,7 @@ def train_cmd(
     resume: bool = typer.Option(False, "--resume", help="Resume from OUT_DIR/checkpoint (a finished run is left as it is; --steps may grow)."),
     resume_override: str | None = typer.Option(None, "--resume-override", help="With --resume: comma-separated fields that may differ from the run's config (e.g. lr,seed); applied and recorded."),
     set_: list[str] = typer.Option([], "--set", help="Any other TrainConfig field: --set key=value (repeatable)."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes on this machine: relaunches itself under torchrun (torch.distributed.run --nproc_per_node K); more machines: torchrun's own rendezvous (README)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Data-parallel processes on this machine: relaunches itself under torchrun (torch.distributed.run --nproc_per_node K); more machines: torchrun's own rendezvous (docs/distributed.md)."),
 ) -> None:
     """Train with Tree-GRPO (default) or chain GRPO. With no arguments: the tiny agent on the
     synthetic multi-hop world, bootstrapped and cached on first use."""

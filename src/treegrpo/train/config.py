@@ -335,7 +335,7 @@ class TrainConfig(BaseModel):
         return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
 
 
-#: ``auto`` values per model kind (documented in the field descriptions and the README table).
+#: ``auto`` values per model kind (documented in the field descriptions and the table in docs/real-models.md).
 TINY_LR = 5e-4  # the bootstrapped tiny agent (0.57M parameters, trained from scratch by its bootstrap)
 FULL_FT_LR = 1e-6  # Search-R1 train_grpo.sh / train_ppo.sh: actor_rollout_ref.actor.optim.lr=1e-6 (Qwen2.5-3B)
 LORA_LR = 1e-5  # ~10x full fine-tuning ("LoRA Without Regret"); verl's LoRA GRPO example: 3e-6 at rank 64, alpha 32
