@@ -113,7 +113,25 @@ def test_guarded_printf_gives_the_builtins_result(
     plain.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limit)
     params = (fmt.encode() if blob else fmt, *args)
     sql = f"SELECT {name}({', '.join('?' * len(params))})"
-    assert db.conn.execute(sql, params).fetchone() == plain.execute(sql, params).fetchone()
+    assert _outcome(db.conn, sql, params) == _outcome(plain, sql, params)
+
+
+def _outcome(conn: sqlite3.Connection, sql: str, params: tuple[object, ...]) -> object:
+    """The row, or the error's class: a result that is not valid UTF-8 (a precision that cuts a
+    character, ``'%.1s'`` of ``'é'``) cannot be read by Python's sqlite3 from the built-in either."""
+    try:
+        return conn.execute(sql, params).fetchone()
+    except sqlite3.OperationalError as e:
+        return type(e)
+
+
+def test_a_result_cut_inside_a_character_is_an_error_on_both_sides() -> None:
+    params = ("%.*c%*c%.*s", 0, 0, 0, 0, 1, "é")  # found by hypothesis: '%.1s' keeps half of 'é'
+    db = SqlDb(SqlLimits(max_length=10_000))
+    plain = sqlite3.connect(":memory:")
+    sql = f"SELECT printf({', '.join('?' * len(params))})"
+    assert _outcome(db.conn, sql, params) is _outcome(plain, sql, params) is sqlite3.OperationalError
+    assert _outcome(plain, "SELECT printf('%.2s', 'é')", ()) == ("é",)  # a whole character reads back
 
 
 # -- no statement runs long -----------------------------------------------------------------------

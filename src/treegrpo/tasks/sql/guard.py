@@ -14,7 +14,9 @@ does (:func:`char_repeats`): for each ``%c`` its repeat count (the precision: a 
 so the call's result is the built-in's result for an output past the limit (NULL in 3.40); the
 guard gives it at once, from a stand-in call whose count is one past the limit. Every other call
 is handed, with the same arguments (same types), to the built-in on a private plain connection of
-this thread with the same value limit: results are SQLite's, byte for byte.
+this thread with the same value limit: results are SQLite's, byte for byte. (A result that is not
+valid UTF-8 — a precision that cuts a character, ``printf('%.1s', 'é')`` — is an
+``OperationalError`` here, as reading it from the built-in is in Python's sqlite3.)
 """
 
 from __future__ import annotations
