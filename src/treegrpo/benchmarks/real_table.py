@@ -20,7 +20,15 @@ from typing import Any
 
 from treegrpo.benchmarks.learn_spec import RunSpec
 from treegrpo.benchmarks.provenance import provenance
-from treegrpo.benchmarks.runner import Log, digest, held_out_eval, pyplot, save_figure, write_result
+from treegrpo.benchmarks.runner import (
+    Log,
+    digest,
+    held_out_eval,
+    pyplot,
+    save_figure,
+    torch_threads,
+    write_result,
+)
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.rollout.planner import PAPER_PAIRS
@@ -103,12 +111,9 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
         log(f"start evaluation: reusing {path}")
         return json.loads(path.read_text())
     cfg = TrainConfig(**probe)
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
     log(f"start evaluation: {spec.eval_prompts} held-out questions, greedy and sampled")
-    done = {"settings": keep, **held_out_eval(cfg, sampled=True)}
+    with torch_threads(cfg.threads):
+        done = {"settings": keep, **held_out_eval(cfg, sampled=True)}
     atomic_write_json(path, done)
     return done
 
