@@ -103,15 +103,23 @@ def test_hidden_state_chunks_match_the_full_logits(tiny_model_dir: Path, packed:
     assert float(g_whole.abs().max()) > 0
 
 
-def test_no_vocabulary_wide_tensor_is_kept_for_backward() -> None:
-    """Under autograd, what the chunked read-out keeps for backward is O(positions × hidden), not
-    O(positions × vocab): the saved tensors of the graph are counted with saved_tensors_hooks."""
+def _wide_vocab_case() -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    """Hidden states (2 × 64 × 8, with grad), a 5000-word bias-free head, the source positions and
+    target ids of a vocabulary-wide read-out (seed 0)."""
     g = torch.Generator().manual_seed(0)
     B, L, H, V = 2, 64, 8, 5000
     hidden = torch.randn(B, L, H, generator=g, requires_grad=True)
     head = torch.nn.Linear(H, V, bias=False)
     src = (torch.arange(L) - 1).expand(B, L)
     tgt = torch.randint(0, V, (B, L), generator=g)
+    return hidden, head, src, tgt
+
+
+def test_no_vocabulary_wide_tensor_is_kept_for_backward() -> None:
+    """Under autograd, what the chunked read-out keeps for backward is O(positions × hidden), not
+    O(positions × vocab): the saved tensors of the graph are counted with saved_tensors_hooks."""
+    hidden, head, src, tgt = _wide_vocab_case()
+    (B, L, H), V = hidden.shape, head.out_features
 
     def biggest_saved(chunk: int | None) -> int:
         sizes: list[int] = []
@@ -153,12 +161,8 @@ def test_entropy_as_a_metric_holds_nothing_after_backward(chunk: int | None) -> 
     same values, no graph of its own. Recorded under autograd, after ``lp.sum().backward()`` its
     ``p`` and ``log p`` (2 × tokens × vocab floats) stay held while the outputs live — under the
     chunked checkpoint they are even recomputed in backward and then kept."""
-    g = torch.Generator().manual_seed(0)
-    B, L, H, V = 2, 64, 8, 5000
-    hidden = torch.randn(B, L, H, generator=g, requires_grad=True)
-    head = torch.nn.Linear(H, V, bias=False)
-    src = (torch.arange(L) - 1).expand(B, L)
-    tgt = torch.randint(0, V, (B, L), generator=g)
+    hidden, head, src, tgt = _wide_vocab_case()
+    (B, L, _), V = hidden.shape, head.out_features
 
     def step(entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         hidden.grad = None
