@@ -19,8 +19,8 @@ LIMITS = {"max_turns": 1, "max_step_tokens": 16, "max_obs_tokens": 64, "max_cont
 
 def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
     spec = TableSpec(
-        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=1, prompts_per_step=1, eval_prompts=2,
-        overrides=LIMITS,
+        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=2, prompts_per_step=2, eval_prompts=2,
+        overrides=LIMITS | {"dump_rollouts_every": 1},
     )  # fmt: skip
     out, said = tmp_path / "table.json", []
     res = run_table(spec, tmp_path / "work", out, said.append)
@@ -30,12 +30,22 @@ def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) 
     assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
     assert len(res["eval_ids"]) == 2 and all(r["eval_prompts"] == 2 for r in rows)
     chain, tree = rows  # a pair: the same prompts, the same start
-    assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 1
+    trained = [  # every step's forests, in order: what the run really trained on
+        json.loads(x)["prompt_id"] for f in sorted((Path(chain["run_dir"]) / "rollouts").glob("step_*.jsonl"))
+        for x in f.read_text().splitlines()
+    ]  # fmt: skip
+    assert chain["prompt_ids"] == tree["prompt_ids"] == trained and len(trained) == 4
     assert chain["em_start"] == tree["em_start"] == res["eval_start"]["eval/success_sampled"]
-    assert chain["trajectories"] == 2 and tree["trajectories"] >= 2 and chain["generated_tokens"] > 0
+    assert chain["trajectories"] == 2 * 2 * 2 and tree["trajectories"] >= 2 * 2 * 2 and chain["generated_tokens"] > 0
+    for r in rows:  # one fraction per step: the prompts whose leaves disagree (the metrics' own figure)
+        steps = [json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()][1:]
+        assert r["informative_groups"] == [round(m["rollout/informative_groups"], 4) for m in steps]
+        assert len(r["informative_groups"]) == spec.steps and all(x in (0.0, 1.0) for x in r["informative_groups"])
     pair = res["paired"]["2"]["pairs"][0]
     assert pair["seed"] == 0 and pair["diff_sampled"] == tree["em_end"] - chain["em_end"]
     assert pair["generated_tokens_ratio"] == tree["generated_tokens"] / chain["generated_tokens"]
+    for r in rows:  # by default only the last step's forests are kept: the order does not need the rest
+        (Path(r["run_dir"]) / "rollouts" / "step_00001.jsonl").unlink()
     said.clear()  # resumed: every run and the start evaluation are reused
     again = run_table(spec, tmp_path / "work", out, said.append)
     assert again["rows"] == rows and said[0].startswith("start evaluation: reusing") and len(said) == 2

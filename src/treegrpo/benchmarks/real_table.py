@@ -35,7 +35,9 @@ from treegrpo.rollout.planner import PAPER_PAIRS
 
 FORMAT = "treegrpo.bench.real_table/v1"
 #: Row keys beyond ``bench learn``'s.
-EXTRA_KEYS: tuple[str, ...] = ("em_greedy_start", "eval_prompts", "prompt_ids", "prefill_tokens", "rollout_s", "update_s", "run_dir")
+EXTRA_KEYS: tuple[str, ...] = (
+    "em_greedy_start", "eval_prompts", "prompt_ids", "informative_groups", "prefill_tokens", "rollout_s", "update_s", "run_dir",
+)  # fmt: skip
 #: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
 PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
 
@@ -118,13 +120,30 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     return done
 
 
+def train_prompt_ids(spec: TableSpec) -> list[str]:
+    """The ids of the training questions the runs draw from, in the task's order."""
+    from treegrpo.train.config import TrainConfig
+    from treegrpo.train.setup import build_run
+
+    return [t.id for t in build_run(TrainConfig(**spec.config(spec.runs()[0], ""))).train_tasks]
+
+
+def prompt_order(spec: TableSpec, seed: int, task_ids: list[str]) -> list[str]:
+    """Every step's prompts of a run at ``seed``, in order (the trainer's own prompt stream,
+    replayed: the same for both samplers)."""
+    from treegrpo.train.checkpoint import RunState
+
+    state = RunState.fresh(seed)
+    return [i for _ in range(spec.steps) for i in state.draw_prompts(task_ids, spec.prompts_per_step)]
+
+
 def run_folder(spec: TableSpec, run: RunSpec, work: Path) -> Path:
     """The run's folder: its label, seed and a digest of every setting (another setting, another folder)."""
     return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{digest(spec.config(run, ''), length=10)}"
 
 
 def run_one(
-    spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], log: Log
+    spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], task_ids: list[str], log: Log
 ) -> dict[str, Any]:
     """Train (or resume, or reuse) one run; its row."""
     from treegrpo.train.config import TrainConfig
@@ -136,12 +155,13 @@ def run_one(
         log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
         summary = train(TrainConfig(**spec.config(run, str(run_dir))), eval_start=eval_start)
     s = summary
-    prompt_ids = [
-        json.loads(line)["prompt_id"]
-        for f in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
-        for line in f.read_text().splitlines()
-        if line.strip()
-    ]
+    prompt_ids = prompt_order(spec, run.seed, task_ids)
+    dumped = run_dir / "rollouts" / f"step_{spec.steps:05d}.jsonl"  # the last step's forests (unless switched off)
+    last = [json.loads(x)["prompt_id"] for x in dumped.read_text().splitlines()] if dumped.is_file() else []
+    if last and last != prompt_ids[-len(last) :]:  # the replay must be what the run trained on
+        raise RuntimeError(f"{run_dir}: its last step trained on {last}; the replayed prompt order says {prompt_ids[-len(last) :]}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    informative = [round(m["rollout/informative_groups"], 4) for m in metrics if "rollout/informative_groups" in m]
     row = {
         "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
         "advantage": run.advantage, "seed": run.seed, "world_seed": run.world_seed,
@@ -151,7 +171,7 @@ def run_one(
         "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
         "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
         "em_greedy_start": s.eval_start["eval/success_greedy"], "eval_prompts": spec.eval_prompts,
-        "prompt_ids": prompt_ids, "prefill_tokens": s.prefill_tokens, "rollout_s": round(s.rollout_s, 2),
+        "prompt_ids": prompt_ids, "informative_groups": informative, "prefill_tokens": s.prefill_tokens, "rollout_s": round(s.rollout_s, 2),
         "update_s": round(s.update_s, 2), "run_dir": str(run_dir),
     }  # fmt: skip
     return row
@@ -191,7 +211,8 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     start = start_eval(spec, work, log)
-    rows = [run_one(spec, r, work, start["eval"], log) for r in spec.runs()]
+    task_ids = train_prompt_ids(spec)
+    rows = [run_one(spec, r, work, start["eval"], task_ids, log) for r in spec.runs()]
     results = {
         "format": FORMAT,
         "provenance": provenance(model_dir=spec.model),

@@ -34,10 +34,10 @@ import json
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -45,6 +45,8 @@ from pydantic import ValidationError
 from treegrpo.io import atomic_write_json, fsync_path, sha256_file
 from treegrpo.models.lora import save_model_folder
 from treegrpo.train.config import ConfigError, TrainConfig
+
+T = TypeVar("T")
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
@@ -110,6 +112,11 @@ class RunState:
             gen=torch.Generator().manual_seed(seed),
             eval_start=dict(eval_start or {}),
         )
+
+    def draw_prompts(self, tasks: Sequence[T], k: int) -> list[T]:
+        """One step's prompts: ``k`` of ``tasks`` from the prompt-order stream (replaying
+        :meth:`fresh` ``(seed)`` gives any run's order without running it)."""
+        return self.rng.sample(tasks, min(k, len(tasks)))
 
     def reseed(self, seed: int) -> None:
         """Restart the three streams as a new run at ``seed`` would (a resume overriding ``seed``)."""

@@ -197,7 +197,7 @@ def train(
         bar = progress.add_task("train", total=cfg.steps, completed=run.step)
         for step in range(run.step + 1, cfg.steps + 1):
             # 1. rollout: one batch of prompts (the same on every rank; each grows its share)
-            tasks = run.rng.sample(parts.train_tasks, min(cfg.prompts_per_step, len(parts.train_tasks)))
+            tasks = run.draw_prompts(parts.train_tasks, cfg.prompts_per_step)
             t0, c0 = time.perf_counter(), time.process_time()
             engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
