@@ -44,6 +44,7 @@ def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) 
     pair = res["paired"]["2"]["pairs"][0]
     assert pair["seed"] == 0 and pair["diff_sampled"] == tree["em_end"] - chain["em_end"]
     assert pair["generated_tokens_ratio"] == tree["generated_tokens"] / chain["generated_tokens"]
+    assert all(not (Path(r["run_dir"]) / "checkpoint.prev").exists() for r in rows)  # a finished run keeps one
     for r in rows:  # by default only the last step's forests are kept: the order does not need the rest
         (Path(r["run_dir"]) / "rollouts" / "step_00001.jsonl").unlink()
     said.clear()  # resumed: every run and the start evaluation are reused

@@ -134,6 +134,18 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_generation(
     assert not list(run_dir.glob(".checkpoint*"))
 
 
+@pytest.mark.parametrize("damage", [None, _flip_a_byte, _truncate_weights])
+def test_drop_previous_deletes_the_older_generation_only_under_a_sound_latest(damage, run_dir: Path) -> None:
+    from treegrpo.train.checkpoint import drop_previous, read_checkpoint
+
+    if damage is not None:
+        damage(run_dir / "checkpoint")
+    assert drop_previous(run_dir / "checkpoint") is (damage is None)
+    assert (run_dir / "checkpoint.prev").exists() is (damage is not None)  # a broken latest keeps its fallback
+    if damage is None:
+        assert read_checkpoint(run_dir / "checkpoint").step == 2 and not drop_previous(run_dir / "checkpoint")
+
+
 @pytest.mark.parametrize("damage", [_empty_state, _delete_state, _truncate_weights])
 def test_resume_refuses_with_one_line_when_no_valid_checkpoint_is_left(
     damage, run_dir: Path, tiny_model_dir: Path

@@ -146,6 +146,7 @@ def run_one(
     spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], task_ids: list[str], log: Log
 ) -> dict[str, Any]:
     """Train (or resume, or reuse) one run; its row."""
+    from treegrpo.train.checkpoint import CHECKPOINT_DIR, drop_previous
     from treegrpo.train.config import TrainConfig
     from treegrpo.train.trainer import TrainSummary, train
 
@@ -154,6 +155,7 @@ def run_one(
     if summary is None or summary.steps < spec.steps:
         log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
         summary = train(TrainConfig(**spec.config(run, str(run_dir))), eval_start=eval_start)
+    drop_previous(run_dir / CHECKPOINT_DIR)  # a finished run is never resumed: its last checkpoint is enough
     s = summary
     prompt_ids = prompt_order(spec, run.seed, task_ids)
     dumped = run_dir / "rollouts" / f"step_{spec.steps:05d}.jsonl"  # the last step's forests (unless switched off)
@@ -236,7 +238,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
         xs, ys = zip(*r["em_curve"], strict=True) if r["em_curve"] else ((), ())
         color = "C0" if r["mode"] == "chain" else "C1"
         ls = "-" if r["budget"] == min(x["budget"] for x in results["rows"]) else "--"
-        label = f"{r['mode']} {r['budget']}" if r["seed"] == results["rows"][0]["seed"] else None
+        name = f"chain {r['budget']}" if r["mode"] == "chain" else f"tree ({r['M']},{r['N']},{r['L']})"
+        label = name if r["seed"] == results["rows"][0]["seed"] else None
         ax.plot([x / 1000 for x in xs], ys, marker="o", color=color, ls=ls, label=label)
     ax.set_xlabel("generated tokens (thousands)")
     ax.set_ylabel(f"held-out EM, sampled ({results['spec']['eval_prompts']} questions)")
@@ -245,14 +248,15 @@ def plot(results: dict[str, Any], png: Path) -> None:
     budgets = sorted(results["paired"], key=int)
     for i, b in enumerate(budgets):
         p = results["paired"][b]
-        for q in p["pairs"]:
-            bx.scatter(i - 0.1, q["diff_sampled"], color="C1")
-            bx.scatter(i + 0.1, q["diff_greedy"], color="C2")
+        for j, q in enumerate(p["pairs"]):
+            bx.scatter(i - 0.1, q["diff_sampled"], color="C1", label="sampled, per seed" if i == j == 0 else None)
+            bx.scatter(i + 0.1, q["diff_greedy"], color="C2", label="greedy, per seed" if i == j == 0 else None)
         bx.errorbar(i - 0.1, p["diff_sampled"]["mean"], yerr=p["diff_sampled"]["sd"], color="k", capsize=4)
         bx.errorbar(i + 0.1, p["diff_greedy"]["mean"], yerr=p["diff_greedy"]["sd"], color="grey", capsize=4)
     bx.axhline(0, color="grey", lw=1)
     ratios = [results["paired"][b]["generated_tokens_ratio"]["mean"] for b in budgets]
     bx.set_xticks(range(len(budgets)), [f"budget {b}\ntree/chain tokens {r:.2f}×" for b, r in zip(budgets, ratios, strict=True)])
-    bx.set_ylabel("tree − chain EM at the end (orange sampled, green greedy)")
+    bx.set_ylabel("tree − chain held-out EM at the end")
+    bx.legend()
     bx.set_title("paired differences per seed (mean ± sd)")
     save_figure(fig, png)

@@ -259,6 +259,17 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def drop_previous(folder: Path) -> bool:
+    """Delete ``folder``'s previous generation once the latest one verifies (every file against its
+    checksum): what a finished run keeps is its last checkpoint. A latest generation that does
+    not verify keeps the previous one. True when one was deleted."""
+    prev = previous(Path(folder))
+    if not prev.exists() or _check(Path(folder)) is not None:
+        return False
+    shutil.rmtree(prev)
+    return True
+
+
 def _write_manifest(folder: Path) -> None:
     files = {}
     for p in sorted(folder.rglob("*")):
