@@ -91,3 +91,18 @@ def test_paired_differences_by_hand() -> None:
 def test_table_spec_names_a_bad_setting(field: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TableSpec(model="m", **{field: value})
+
+
+def test_the_committed_table_is_whole_and_consistent() -> None:
+    """benchmarks/results/real_table.json: every budget × seed × sampler, the rows' keys, pairs that
+    saw the same prompts (every step's), and ``paired`` recomputed from the rows."""
+    res = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "real_table.json").read_text())
+    rows, spec = res["rows"], res["spec"]
+    assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
+    cells = {(r["budget"], r["seed"], r["mode"]) for r in rows}
+    assert cells == {(b, s, m) for b in spec["budgets"] for s in spec["seeds"] for m in ("chain", "tree")}
+    assert len(spec["seeds"]) >= 2 and set(spec["budgets"]) >= {2, 4} and len(res["eval_ids"]) >= 128
+    for r in rows:
+        assert r["eval_prompts"] == len(res["eval_ids"]) and len(r["informative_groups"]) == spec["steps"]
+        assert len(r["prompt_ids"]) == spec["steps"] * spec["prompts_per_step"]
+    assert paired(rows) == res["paired"]  # which also checks that each pair saw the same prompts
