@@ -106,3 +106,5 @@ def test_the_committed_table_is_whole_and_consistent() -> None:
         assert r["eval_prompts"] == len(res["eval_ids"]) and len(r["informative_groups"]) == spec["steps"]
         assert len(r["prompt_ids"]) == spec["steps"] * spec["prompts_per_step"]
     assert paired(rows) == res["paired"]  # which also checks that each pair saw the same prompts
+    c = res["compute_s"]
+    assert c["runs"] == round(sum(r["wall_s"] for r in rows), 2) and c["total"] == round(c["start_eval"] + c["runs"], 2)
