@@ -93,15 +93,16 @@ def test_table_spec_names_a_bad_setting(field: str, value: Any, message: str) ->
         TableSpec(model="m", **{field: value})
 
 
-def test_the_committed_table_is_whole_and_consistent() -> None:
-    """benchmarks/results/real_table.json: every budget × seed × sampler, the rows' keys, pairs that
+@pytest.mark.parametrize(("name", "budgets", "seeds"), [("real_table", {2, 4}, 2), ("real_table_budget2", {2}, 5)])
+def test_the_committed_table_is_whole_and_consistent(name: str, budgets: set[int], seeds: int) -> None:
+    """benchmarks/results/real_table*.json: every budget × seed × sampler, the rows' keys, pairs that
     saw the same prompts (every step's), and ``paired`` recomputed from the rows."""
-    res = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "real_table.json").read_text())
+    res = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / f"{name}.json").read_text())
     rows, spec = res["rows"], res["spec"]
     assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
     cells = {(r["budget"], r["seed"], r["mode"]) for r in rows}
     assert cells == {(b, s, m) for b in spec["budgets"] for s in spec["seeds"] for m in ("chain", "tree")}
-    assert len(spec["seeds"]) >= 2 and set(spec["budgets"]) >= {2, 4} and len(res["eval_ids"]) >= 128
+    assert len(spec["seeds"]) >= seeds and set(spec["budgets"]) >= budgets and len(res["eval_ids"]) >= 128
     for r in rows:
         assert r["eval_prompts"] == len(res["eval_ids"]) and len(r["informative_groups"]) == spec["steps"]
         assert len(r["prompt_ids"]) == spec["steps"] * spec["prompts_per_step"]
