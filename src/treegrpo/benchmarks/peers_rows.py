@@ -22,6 +22,7 @@ import torch
 from treegrpo.benchmarks.runner import held_out_eval
 from treegrpo.io import atomic_write_json
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.metrics import read_metrics
 from treegrpo.train.trainer import train
 from treegrpo.tree import read_forests
 
@@ -55,7 +56,7 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainConfig(**task["config"])
     summary = train(cfg, eval_start=task["eval_start"])
     run = Path(cfg.out_dir)
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = read_metrics(run / "metrics.jsonl")
     steps = [m for m in metrics if m.get("step", 0) > 0 and "time/rollout_s" in m]
     recorded = json.loads((run / "config.json").read_text())
     prompts = []  # the prompts each step drew, as the rollouts recorded them (id and token ids)

@@ -19,6 +19,7 @@ from treegrpo.benchmarks.provenance import provenance
 from treegrpo.benchmarks.real_costs import engine_vs_generate, step_costs
 from treegrpo.benchmarks.runner import Log, pyplot, save_figure, write_result
 from treegrpo.train.config import TrainConfig
+from treegrpo.train.metrics import read_metrics
 from treegrpo.train.trainer import TrainSummary, train
 from treegrpo.train.warmup_run import REAL_MODEL_SFT, RECORD_FILE, WarmupRun, run_warmup
 
@@ -109,7 +110,7 @@ def rl_stage(spec: RealSpec, work: Path, warm: dict[str, Any], log: Log) -> dict
         if summary is None or not _same_run(run_dir, cfg):
             log(f"RL {name}: {spec.rl_steps} steps × {spec.prompts_per_step} prompts")
             summary = train(cfg, eval_start=warm["eval_after"])
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_metrics(run_dir / "metrics.jsonl")
         steps = [r for r in rows if r.get("step", 0) > 0 and "rollout/trajectories" in r]
         out[name] = {
             "config": fields, "eval_before": summary.eval_start, "eval_after": summary.eval_end,

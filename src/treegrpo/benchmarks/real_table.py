@@ -148,7 +148,9 @@ def run_one(
     """Train (or resume, or reuse) one run; its row."""
     from treegrpo.train.checkpoint import CHECKPOINT_DIR, drop_previous
     from treegrpo.train.config import TrainConfig
+    from treegrpo.train.metrics import read_metrics
     from treegrpo.train.trainer import TrainSummary, train
+    from treegrpo.tree import read_forests
 
     run_dir = run_folder(spec, run, work)
     summary = TrainSummary.read(run_dir / "summary.json")
@@ -159,10 +161,10 @@ def run_one(
     s = summary
     prompt_ids = prompt_order(spec, run.seed, task_ids)
     dumped = run_dir / "rollouts" / f"step_{spec.steps:05d}.jsonl"  # the last step's forests (unless switched off)
-    last = [json.loads(x)["prompt_id"] for x in dumped.read_text().splitlines()] if dumped.is_file() else []
+    last = [f.prompt_id for f in read_forests(dumped)] if dumped.is_file() else []
     if last and last != prompt_ids[-len(last) :]:  # the replay must be what the run trained on
         raise RuntimeError(f"{run_dir}: its last step trained on {last}; the replayed prompt order says {prompt_ids[-len(last) :]}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
     informative = [round(m["rollout/informative_groups"], 4) for m in metrics if "rollout/informative_groups" in m]
     row = {
         "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
@@ -215,6 +217,7 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     start = start_eval(spec, work, log)
     task_ids = train_prompt_ids(spec)
     rows = [run_one(spec, r, work, start["eval"], task_ids, log) for r in spec.runs()]
+    runs_s = sum(r["wall_s"] for r in rows)
     results = {
         "format": FORMAT,
         "provenance": provenance(model_dir=spec.model),
@@ -225,9 +228,10 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "paired": paired(rows),
         "paper": PAPER,
         "compute_s": {  # what the table cost, over every session that built it
-            "start_eval": round(start["wall_s"], 2), "runs": round(sum(r["wall_s"] for r in rows), 2),
-            "total": round(start["wall_s"] + sum(r["wall_s"] for r in rows), 2),
-        },  # fmt: skip
+            "start_eval": round(start["wall_s"], 2),
+            "runs": round(runs_s, 2),
+            "total": round(start["wall_s"] + runs_s, 2),
+        },
         "wall_s": time.perf_counter() - t0,  # this invocation's (reused runs cost nothing)
     }
     write_result(out, results, plot, log=log)

@@ -97,3 +97,17 @@ def keep_rows(path: Path, up_to_step: int, say: Callable[[str], Any] = print) ->
     if dropped_later:
         say(f"{path}: dropped {dropped_later} row(s) after step {up_to_step}, the checkpoint's step")
     return kept
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` (a broken line, e.g. from a killed run, is skipped)."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.errors import ConfigError
+from treegrpo.train.metrics import read_metrics
 from treegrpo.tree import Forest, ForestError, Node, Tree, read_forests
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl?$")
@@ -175,20 +176,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl`` (a broken line, e.g. from a killed run, is skipped)."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
 
 
 def run_estimator(cfg: dict[str, Any]) -> str | None:
