@@ -49,7 +49,7 @@ def test_bootstrap_cache_key_includes_the_code(monkeypatch: pytest.MonkeyPatch) 
     key = BootstrapConfig().config_hash()
     monkeypatch.setattr(recipe, "code_fingerprint", lambda mods: "other-code")
     assert BootstrapConfig().config_hash() != key
-    assert "treegrpo.train.warmup" in WEIGHT_MODULES and "treegrpo.tasks.world.demos" in WEIGHT_MODULES
+    assert "treegrpo.training.warmup" in WEIGHT_MODULES and "treegrpo.tasks.world.demos" in WEIGHT_MODULES
     fingerprint._fingerprint.cache_clear()
 
 

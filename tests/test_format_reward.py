@@ -9,7 +9,7 @@ from treegrpo.envs.rewards import format_score, is_valid_sequence
 from treegrpo.envs.search import INVALID_ACTION, SearchEnv, information, trajectory_text
 from treegrpo.retrieval.base import Doc, Hit, RetrievalError
 from treegrpo.retrieval.bm25 import BM25Retriever
-from treegrpo.train.config import make_config
+from treegrpo.training.config import make_config
 
 OBS = information("Doc 1(Title: Paris) Paris is the capital of France.\n")
 GOOD = "<think> need to look it up </think><search> capital of france </search>" + OBS + "<think> found </think><answer> Paris </answer>"

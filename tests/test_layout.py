@@ -139,7 +139,7 @@ def test_engines_are_reached_through_the_factory() -> None:
 
 def test_models_only_build_and_load() -> None:
     """``models/`` knows nothing task- or RL-specific."""
-    above = ("treegrpo.tasks", "treegrpo.train", "treegrpo.rollout", "treegrpo.envs", "treegrpo.benchmarks")
+    above = ("treegrpo.tasks", "treegrpo.training", "treegrpo.rollout", "treegrpo.envs", "treegrpo.benchmarks")
     bad = {(m, d) for m, deps in GRAPH.items() if m.startswith("treegrpo.models") for d in deps if d.startswith(above)}
     assert not bad
 

@@ -116,7 +116,7 @@ def treegrpo_help(path: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]
 
 @functools.cache
 def config_keys() -> frozenset[str]:
-    from treegrpo.train.config import TrainConfig
+    from treegrpo.training.config import TrainConfig
 
     keys = set(TrainConfig.model_fields)
     for field in TrainConfig.model_fields.values():

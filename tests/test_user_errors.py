@@ -15,7 +15,7 @@ from treegrpo.cli import app
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import ModelLoadError, load_pretrained
 from treegrpo.tasks.datafile import DataError, load_tasks
-from treegrpo.train.config import load_config, make_config, parse_set
+from treegrpo.training.config import load_config, make_config, parse_set
 
 
 def _cli_error(*args: str) -> str:

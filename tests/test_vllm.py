@@ -175,13 +175,13 @@ def teacher_forced_grad(model: torch.nn.Module, ctx: list[int], gen: list[int]) 
 
 
 def parts_for(model_dir: Path, temperature: float):
-    """A search agent over six one-line passages (as in ``tests/train/test_trainer.py``)."""
+    """A search agent over six one-line passages (as in ``tests/training/test_trainer.py``)."""
     from treegrpo.envs.base import Task
     from treegrpo.envs.search import SearchEnv
     from treegrpo.retrieval.base import Doc
     from treegrpo.retrieval.bm25 import BM25Retriever
     from treegrpo.rollout.agent import AgentConfig
-    from treegrpo.train.setup import RunParts
+    from treegrpo.training.setup import RunParts
 
     docs = [Doc(str(i), f"city{i}\ncity{i} is in country{i % 3}.") for i in range(6)]
     tasks = [Task(f"q{i}", f"where is city{i}?", [f"country{i % 3}"]) for i in range(6)]
@@ -199,8 +199,8 @@ def parts_for(model_dir: Path, temperature: float):
 def test_train_two_steps_with_vllm(agent_dir: Path, tmp_path: Path) -> None:
     """``train`` with ``engine=vllm``: rollouts, evaluation and weight sync through vLLM; the
     engine–trainer log-prob gap stays at float noise after real updates."""
-    from treegrpo.train.config import make_config
-    from treegrpo.train.trainer import train
+    from treegrpo.training.config import make_config
+    from treegrpo.training.trainer import train
 
     cfg = make_config(
         dict(steps=2, prompts_per_step=2, m=2, n=1, l=1, eval_every=1, save_every=1, out_dir=str(tmp_path / "run"),

@@ -117,11 +117,11 @@ def train_cmd(
     from rich.console import Console
 
     if nproc > 1:
-        from treegrpo.train.launch import launch
+        from treegrpo.training.launch import launch
 
         raise typer.Exit(launch(nproc))
 
-    from treegrpo.train.config import ConfigError, load_config, parse_set
+    from treegrpo.training.config import ConfigError, load_config, parse_set
 
     console = Console(soft_wrap=True)
     overrides = {
@@ -138,7 +138,7 @@ def train_cmd(
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    from treegrpo.train.run import run_training
+    from treegrpo.training.run import run_training
 
     try:
         run_training(cfg, console)
@@ -178,7 +178,7 @@ def serve_retriever_cmd(
     from treegrpo.retrieval.factory import build_local
     from treegrpo.retrieval.scheduler import Limits
     from treegrpo.retrieval.server import is_loopback, serve
-    from treegrpo.train.config import ConfigError
+    from treegrpo.training.config import ConfigError
 
     def fail(msg: str) -> NoReturn:
         typer.echo(f"error: {msg}", err=True)
@@ -342,8 +342,8 @@ def warmup_cmd(
 
     from rich.console import Console
 
-    from treegrpo.train.config import ConfigError, load_config, parse_set
-    from treegrpo.train.warmup_run import WarmupRun, run_warmup
+    from treegrpo.training.config import ConfigError, load_config, parse_set
+    from treegrpo.training.warmup_run import WarmupRun, run_warmup
 
     try:
         cfg = load_config(

@@ -25,7 +25,7 @@ from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.retrieval.client import HTTPRetriever
 from treegrpo.retrieval.scheduler import Limits, chunk_spans
 from treegrpo.retrieval.server import LOOPBACK, ServerThread, free_port, make_app
-from treegrpo.train.config import ConfigError
+from treegrpo.training.config import ConfigError
 
 DOCS = [
     Doc("0", "Paris\nParis is the capital and largest city of France."),
@@ -354,11 +354,11 @@ def test_start_up_check_names_the_url_and_the_fix(bm25: BM25Retriever) -> None:
 
 
 def test_allow_offline_retriever_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    import treegrpo.train.run
+    import treegrpo.training.run
     from treegrpo.cli import app
 
     seen = []
-    monkeypatch.setattr(treegrpo.train.run, "run_training", lambda cfg, console: seen.append(cfg))
+    monkeypatch.setattr(treegrpo.training.run, "run_training", lambda cfg, console: seen.append(cfg))
     base = ["train", "--data", "x.jsonl", "--retriever-url", "http://127.0.0.1:9"]
     for extra, want in (([], False), (["--allow-offline-retriever"], True)):
         res = CliRunner().invoke(app, base + extra)

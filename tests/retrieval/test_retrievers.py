@@ -15,7 +15,7 @@ from _optional import needs_package
 from treegrpo.retrieval.base import CorpusError, Doc, JsonlDocs, line_offsets, read_corpus, write_corpus
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.retrieval.hybrid import HybridRetriever, fuse
-from treegrpo.train.config import ConfigError
+from treegrpo.training.config import ConfigError
 
 DOCS = [
     Doc("a", "Cat\nThe cat is a small domesticated carnivorous mammal, often kept as a household pet."),

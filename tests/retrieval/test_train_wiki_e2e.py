@@ -125,9 +125,9 @@ def test_train_reports_a_dead_server_as_retrieval_errors(
     allow_offline_retriever the run does not crash and every failed search is counted."""
     from treegrpo.retrieval.client import HTTPRetriever
     from treegrpo.retrieval.server import free_port
-    from treegrpo.train.config import ConfigError, make_config
-    from treegrpo.train.setup import build_run
-    from treegrpo.train.trainer import train
+    from treegrpo.training.config import ConfigError, make_config
+    from treegrpo.training.setup import build_run
+    from treegrpo.training.trainer import train
 
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
     url = f"http://127.0.0.1:{free_port()}"
@@ -156,8 +156,8 @@ def test_build_run_with_a_corpus_file_and_jsonl_questions(
     """--corpus gives an in-process BM25 index (cached); --data JSONL questions; a slice is held out."""
     from treegrpo.retrieval.base import Doc, write_corpus
     from treegrpo.retrieval.bm25 import BM25Retriever
-    from treegrpo.train.config import make_config
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.config import make_config
+    from treegrpo.training.setup import build_run
 
     monkeypatch.setenv("TREEGRPO_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.jsonl"

@@ -13,7 +13,7 @@ from _optional import needs_package
 from treegrpo.cli import app
 from treegrpo.retrieval import wiki
 from treegrpo.retrieval.base import read_corpus
-from treegrpo.train.config import ConfigError
+from treegrpo.training.config import ConfigError
 
 needs_wiki = needs_package(wiki.PACKAGE)  # skipped without it; in CI (which installs it) a failure
 

@@ -189,8 +189,8 @@ def test_train_prints_the_cap(tiny_model_dir: Path, tmp_path: Path, monkeypatch:
     one console line at start-up."""
     from rich.console import Console
 
-    import treegrpo.train.trainer as trainer_mod
-    from treegrpo.train.config import make_config
+    import treegrpo.training.trainer as trainer_mod
+    from treegrpo.training.config import make_config
 
     tok = load_tokenizer(tiny_model_dir)
     llm = SearchingLLM(max_model_len=160)
@@ -200,7 +200,7 @@ def test_train_prints_the_cap(tiny_model_dir: Path, tmp_path: Path, monkeypatch:
         "make_engine",
         lambda name, model, tok, **kw: VLLMEngine(llm, tok, vllm_module=fake_vllm()),
     )
-    from treegrpo.train.setup import RunParts
+    from treegrpo.training.setup import RunParts
 
     env = SearchEnv(
         BM25Retriever([Doc("0", "paris\nparis is the capital of france.")]), topk=1, prompt_template="minimal"

@@ -140,7 +140,7 @@ def test_bootstrap_records_and_reloads(arith_model_dir: Path) -> None:
 
 
 def test_run_parts_follow_the_bootstrap(arith_model_dir: Path) -> None:
-    from treegrpo.train.config import make_config
+    from treegrpo.training.config import make_config
 
     env, train_tasks, eval_tasks, agent = arith_run_parts(make_config({"task": "arith"}), arith_model_dir)
     assert isinstance(env, ArithEnv) and len(train_tasks) == 40 and len(eval_tasks) == 8
@@ -150,7 +150,7 @@ def test_run_parts_follow_the_bootstrap(arith_model_dir: Path) -> None:
 
 
 def test_config_rules_for_eptree_and_arith() -> None:
-    from treegrpo.train.config import ConfigError, make_config
+    from treegrpo.training.config import ConfigError, make_config
 
     cfg = make_config({"task": "arith", "sampler": "eptree", "m": 2, "n": 2, "l": 1, "t": 3})
     assert cfg.estimator == "treerl" and cfg.trajectories_per_prompt() == 2 * (1 + 2 * 1 * 3)
@@ -162,8 +162,8 @@ def test_config_rules_for_eptree_and_arith() -> None:
 
 
 def test_train_eptree_treerl_on_arith(arith_model_dir: Path, tmp_path: Path) -> None:
-    from treegrpo.train.config import make_config
-    from treegrpo.train.trainer import train
+    from treegrpo.training.config import make_config
+    from treegrpo.training.trainer import train
     from treegrpo.tree import read_forests
 
     cfg = make_config(

@@ -12,7 +12,7 @@ import pytest
 
 from treegrpo.envs.search import SEARCH_R1_PROMPT
 from treegrpo.tasks.datafile import DataError, extract_question, load_tasks
-from treegrpo.train.config import ConfigError
+from treegrpo.training.config import ConfigError
 
 
 def search_r1_row(i: int, question: str, answers: list[str], source: str = "nq") -> dict[str, Any]:

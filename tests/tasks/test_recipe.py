@@ -20,7 +20,7 @@ from treegrpo.tasks.sql.bootstrap import SqlBootstrapConfig, sql_metrics
 from treegrpo.tasks.sql.problems import SqlConfig
 from treegrpo.tasks.world.bootstrap import WEIGHT_MODULES as WORLD_MODULES
 from treegrpo.tasks.world.bootstrap import BootstrapConfig, search_metrics
-from treegrpo.train.warmup import WarmupConfig
+from treegrpo.training.warmup import WarmupConfig
 from treegrpo.tree import Forest, Node, Tree
 
 # Each family's model, warm-up and loop settings as the three bootstraps wrote them out before the
@@ -96,7 +96,7 @@ def test_cache_key_follows_settings_and_code(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("modules", [ARITH_MODULES, SQL_MODULES, WORLD_MODULES])
 def test_every_family_hashes_the_shared_recipe_code(modules: tuple[str, ...]) -> None:
     assert set(recipe.RECIPE_MODULES) <= set(modules)
-    assert "treegrpo.tasks.recipe" in modules and "treegrpo.train.warmup" in modules
+    assert "treegrpo.tasks.recipe" in modules and "treegrpo.training.warmup" in modules
 
 
 def _result() -> tuple[list[Task], RolloutResult]:

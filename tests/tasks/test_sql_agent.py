@@ -17,8 +17,8 @@ from treegrpo.tasks.sql.bootstrap import SqlBootstrapConfig, bootstrap_sql, is_s
 from treegrpo.tasks.sql.demos import make_demos
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import SqlConfig, build_problems
-from treegrpo.train.config import make_config
-from treegrpo.train.trainer import train
+from treegrpo.training.config import make_config
+from treegrpo.training.trainer import train
 
 TINY = SqlBootstrapConfig(
     problems=SqlConfig(n_warmup=100, n_train=40, n_eval=8),

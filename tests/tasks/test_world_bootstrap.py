@@ -25,8 +25,8 @@ from treegrpo.tasks.world.bootstrap import (
 )
 from treegrpo.tasks.world.demos import aux_demo_tasks, aux_worlds, make_demos, make_env
 from treegrpo.tasks.world.world import PRESETS, build_world
-from treegrpo.train import warmup
-from treegrpo.train.warmup import encode_demo
+from treegrpo.training import warmup
+from treegrpo.training.warmup import encode_demo
 
 TINY = BootstrapConfig(
     preset="tiny",
@@ -254,7 +254,7 @@ def test_world_seed_variant_has_its_own_cached_model(monkeypatch: pytest.MonkeyP
 def test_micro_batched_warmup_step_equals_the_whole_batch(tiny_model_dir: Path) -> None:
     """Accumulating over micro-batches of demos gives the whole batch's weighted-mean gradient,
     and the warm-up with micro-batches runs (the real-model recipe)."""
-    from treegrpo.train import warmup as w
+    from treegrpo.training import warmup as w
 
     rng = random.Random(0)
     encoded = [

@@ -1,4 +1,4 @@
-"""Collapse monitors on hand-made metric sequences (train/monitors.py)."""
+"""Collapse monitors on hand-made metric sequences (training/monitors.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from treegrpo.train.monitors import (
+from treegrpo.training.monitors import (
     MonitorThresholds,
     check_step,
     early_level,

@@ -2,7 +2,7 @@
 benchmark (chain 4 vs Tree-GRPO (2,2,1) random / nonroot) rolled out by one engine, to compare
 engines on the same prompts and model (the method and the figures: benchmarks/README.md). A
 bootstrapped tiny agent runs on its world; any other model on ``wiki-vital-qa`` over ``wiki-vital``
-with the trainer's own set-up (:func:`treegrpo.train.setup.build_run`). Rows have the budget
+with the trainer's own set-up (:func:`treegrpo.training.setup.build_run`). Rows have the budget
 benchmark's :data:`~treegrpo.benchmarks.budget.ROW_KEYS` (``prefill_tokens``: what the engine
 computed), ``engine_figures`` the per-engine figures; :func:`compare` checks the targets against
 the other engine's document. vLLM-on-CPU gets as many cores as the HF engine's torch threads
@@ -49,8 +49,8 @@ def load_any_agent(model: str | None, max_turns: int, max_step_tokens: int) -> A
     """A bootstrapped tiny agent (its own settings), or another model on wiki-vital-qa."""
     if model is None or (Path(model) / "treegrpo_tiny.json").is_file():
         return load_agent(model)
-    from treegrpo.train.config import make_config
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.config import make_config
+    from treegrpo.training.setup import build_run
 
     cfg = make_config(
         {"model": model, "data": "wiki-vital-qa", "corpus": "wiki-vital", "max_turns": max_turns,

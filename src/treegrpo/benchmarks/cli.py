@@ -31,7 +31,7 @@ def bench_retrieval_cmd(
 ) -> None:
     """Recall@k on wiki-vital of each retriever through its server, plus server throughput."""
     from treegrpo.benchmarks.retrieval import run
-    from treegrpo.train.config import ConfigError
+    from treegrpo.training.config import ConfigError
 
     kinds = [k.strip() for k in retrievers.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("bm25", "dense", "hybrid")]
@@ -85,7 +85,7 @@ def bench_budget_cmd(
         if against is not None and not against.is_file():
             _fail(f"error: --against {against}: no such results file")
         from treegrpo.benchmarks.budget_engines import run_engine_bench
-        from treegrpo.train.config import ConfigError
+        from treegrpo.training.config import ConfigError
 
         try:
             run_engine_bench(
@@ -336,7 +336,7 @@ def bench_peers_cmd(
     CPU-second, peak RSS per row (each in its own process), held-out EM before/after."""
     from treegrpo.benchmarks.peers import ROWS, PeersSpec, run_bench
     from treegrpo.errors import ConfigError
-    from treegrpo.train.config import parse_set
+    from treegrpo.training.config import parse_set
 
     try:
         spec = PeersSpec(

@@ -20,7 +20,7 @@ leaves per 1000 generated tokens), ``mixed_frac`` (prompts whose leaves disagree
 non-zero advantage), ``trajectories``, ``generated_tokens`` and ``prefill_tokens`` (sums over
 prompts, the samplers' own budget counters) and ``wall_s``.
 
-**RL** (the one trainer loop, :func:`treegrpo.train.trainer.train`, from the same starting policy):
+**RL** (the one trainer loop, :func:`treegrpo.training.trainer.train`, from the same starting policy):
 ``eptree+treerl`` (process rewards per segment), ``eptree+grpo`` (the same forests, one
 trajectory-level advantage per leaf) and ``chains+grpo`` (chains at the matched token count);
 held-out success on the ``eval`` split (greedy and sampled, one chain per problem) before and after,
@@ -196,8 +196,8 @@ def rl_runs(
     """Short RL runs from the starting policy: eptree+treerl, eptree+grpo, chains+grpo."""
     from rich.console import Console
 
-    from treegrpo.train.config import make_config
-    from treegrpo.train.trainer import train
+    from treegrpo.training.config import make_config
+    from treegrpo.training.trainer import train
 
     m, n, l, t = shape
     runs = [

@@ -7,7 +7,7 @@ regimes and the row keys are :mod:`.learn_spec`, the analysis :mod:`.learn_repor
 tables :mod:`.learn_plots`. This module runs them: one bootstrapped model per world
 (``ensure_bootstrapped(preset, world_seed)``; ``--task sql``: the cached SQL agent), its held-out
 evaluation shared by every run (:func:`start_eval`), every configuration trained by the one
-trainer loop (:func:`treegrpo.train.trainer.train`) in a process of its own (``--jobs``), the
+trainer loop (:func:`treegrpo.training.trainer.train`) in a process of its own (``--jobs``), the
 result JSON rewritten atomically after every finished run so ``--resume`` carries on from it.
 Rows have exactly :data:`ROW_KEYS` (``--gigpo``: :data:`GIGPO_ROW_KEYS`, with GiGPO's anchor
 diagnostic measured on the rollouts each run dumps, :func:`treegrpo.algos.gigpo.shared_anchor_stats`).
@@ -61,7 +61,7 @@ def _parts(cfg: Any, cache: dict[tuple[str, str, Any], Any] = _PARTS) -> Any:
     """Run parts with a freshly loaded model; the world, env and questions are built once per
     ``cache`` (default: this process), model, task and world."""
     from treegrpo.models.loader import load_model
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.setup import build_run
 
     key = (str(cfg.model), cfg.task, cfg.world_seed)
     if key not in cache:
@@ -75,8 +75,8 @@ def start_eval(task: str, regime: Regime, model_dir: Path, world_seed: int) -> d
     """The starting policy's held-out evaluation (deterministic: every run of the world shares it)."""
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
-    from treegrpo.train.config import make_config
-    from treegrpo.train.evaluate import evaluate
+    from treegrpo.training.config import make_config
+    from treegrpo.training.evaluate import evaluate
 
     cfg = make_config(base_config(task, regime, model_dir, world_seed, "unused"))
     parts = _parts(cfg)
@@ -110,8 +110,8 @@ def train_one(
     import torch
     from rich.console import Console
 
-    from treegrpo.train.config import make_config
-    from treegrpo.train.trainer import train
+    from treegrpo.training.config import make_config
+    from treegrpo.training.trainer import train
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix=f"treegrpo-bench-{'gigpo' if gigpo else 'learn'}-") as tmp:

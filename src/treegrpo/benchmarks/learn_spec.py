@@ -55,7 +55,7 @@ class RunSpec(Shape):
         return f"{self.label} | seed {self.seed} | world {self.world_seed}"
 
     def overrides(self) -> dict[str, Any]:
-        """The :class:`~treegrpo.train.config.TrainConfig` fields of this run."""
+        """The :class:`~treegrpo.training.config.TrainConfig` fields of this run."""
         if self.mode == "chain":
             return {"sampler": "chain", "group_size": self.budget, "advantage": self.advantage, "seed": self.seed}
         return {"sampler": "tree", "m": self.m, "n": self.n, "l": self.l, "expand_mode": self.expand_mode,

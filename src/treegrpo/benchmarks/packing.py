@@ -50,8 +50,8 @@ import torch
 from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.losses import LossConfig, compute_loss
 from treegrpo.benchmarks.runner import pyplot, save_figure, write_result
-from treegrpo.train.batching import SequenceBatch, collate, forest_sequences, micro_batches, token_logprobs
-from treegrpo.train.packing import (
+from treegrpo.training.batching import SequenceBatch, collate, forest_sequences, micro_batches, token_logprobs
+from treegrpo.training.packing import (
     PackedBatch,
     attention_pair_cost,
     model_dtype,

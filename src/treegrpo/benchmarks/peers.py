@@ -32,8 +32,8 @@ from treegrpo.models.loader import MARKER_FILE, resolve_model_ref
 from treegrpo.retrieval.base import format_passages
 from treegrpo.retrieval.factory import make_retriever
 from treegrpo.tasks.datafile import search_env, search_query, split_tasks
-from treegrpo.train.config import TrainConfig
-from treegrpo.train.warmup import WARMUP_RECORD
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.warmup import WARMUP_RECORD
 
 JOBS = ("single_turn", "multi_turn")
 #: treegrpo ``agg_mode`` -> the TRL ``loss_type`` that computes the same loss (with one optimizer
@@ -182,7 +182,7 @@ def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainCon
 
 def prompt_order(train: Sequence[Task], seed: int, steps: int, per_step: int) -> list[list[str]]:
     """The question ids of every step, as the trainer draws them (``RunState.fresh(seed).rng``, one
-    ``sample`` per step: ``treegrpo.train.trainer``); the bench's tests check the runs drew these."""
+    ``sample`` per step: ``treegrpo.training.trainer``); the bench's tests check the runs drew these."""
     rng = random.Random(seed)
     return [[t.id for t in rng.sample(list(train), min(per_step, len(train)))] for _ in range(steps)]
 

@@ -21,9 +21,9 @@ import torch
 
 from treegrpo.benchmarks.runner import held_out_eval
 from treegrpo.io import atomic_write_json
-from treegrpo.train.config import TrainConfig
-from treegrpo.train.metrics import read_metrics
-from treegrpo.train.trainer import train
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.metrics import read_metrics
+from treegrpo.training.trainer import train
 from treegrpo.tree import read_forests
 
 LIBRARIES = ("treegrpo", "torch", "transformers", "trl", "accelerate", "datasets", "tokenizers")

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from treegrpo.tasks.datafile import search_env, split_tasks
-from treegrpo.train.config import TrainConfig
-from treegrpo.train.metrics import peak_rss_gb
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.metrics import peak_rss_gb
 
 
 def trl_args(cfg: TrainConfig, loss_type: str, out_dir: Path, generation_batch: int) -> Any:

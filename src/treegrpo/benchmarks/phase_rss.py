@@ -63,9 +63,9 @@ def _wrap(
 
 def install() -> None:
     """Wrap the trainer's phases (see the module docstring)."""
-    import treegrpo.train.policy as pol
-    import treegrpo.train.trainer as tr
-    import treegrpo.train.update as up
+    import treegrpo.training.policy as pol
+    import treegrpo.training.trainer as tr
+    import treegrpo.training.update as up
 
     _wrap(tr, "build_run", None, "load")
     _wrap(tr, "evaluate", "before_eval", "eval")

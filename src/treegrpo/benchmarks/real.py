@@ -18,10 +18,10 @@ from typing import Any
 from treegrpo.benchmarks.provenance import provenance
 from treegrpo.benchmarks.real_costs import engine_vs_generate, step_costs
 from treegrpo.benchmarks.runner import Log, pyplot, save_figure, write_result
-from treegrpo.train.config import TrainConfig
-from treegrpo.train.metrics import read_metrics
-from treegrpo.train.trainer import TrainSummary, train
-from treegrpo.train.warmup_run import REAL_MODEL_SFT, RECORD_FILE, WarmupRun, run_warmup
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.metrics import read_metrics
+from treegrpo.training.trainer import TrainSummary, train
+from treegrpo.training.warmup_run import REAL_MODEL_SFT, RECORD_FILE, WarmupRun, run_warmup
 
 #: The issue's targets (this 2-core CPU).
 TARGETS = {
@@ -48,7 +48,7 @@ class RealSpec:
         seed: prompt order and sampling streams, the same for both RL runs.
         cost_prompts: prompts of the engine-vs-``generate`` comparison.
         cost_modes: the one-step runs measured in their own processes (``paths``, ``packed``, ``lora``).
-        overrides: further :class:`~treegrpo.train.config.TrainConfig` fields for every stage (agent
+        overrides: further :class:`~treegrpo.training.config.TrainConfig` fields for every stage (agent
             limits, device, dtype), as ``--set key=value`` would give them.
     """
 

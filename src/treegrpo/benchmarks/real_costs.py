@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from treegrpo.benchmarks.runner import Log, finished_row, keep_row, run_measured
-from treegrpo.train.config import TrainConfig
+from treegrpo.training.config import TrainConfig
 
 MODES: dict[str, list[str]] = {
     "paths": ["--set", "packing=off"],
@@ -53,7 +53,7 @@ def engine_vs_generate(cfg: TrainConfig, n_prompts: int, log: Log) -> dict[str, 
     ``n_prompts`` held-out prompts of the run ``cfg``."""
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.setup import build_run
 
     parts = build_run(cfg)
     model, tok = parts.model.eval(), parts.tokenizer

@@ -54,7 +54,7 @@ class TableSpec:
         steps / prompts_per_step / lr: each run (AdamW, constant lr).
         eval_prompts: held-out questions, greedy and sampled, at the start and end of every run.
         eval_every: steps between evaluations inside a run (the EM curve); 0 = the end only.
-        overrides: further :class:`~treegrpo.train.config.TrainConfig` fields of every run
+        overrides: further :class:`~treegrpo.training.config.TrainConfig` fields of every run
             (``--set key=value``: LoRA, packing, threads, agent limits, engine), the same for both samplers.
     """
 
@@ -87,7 +87,7 @@ class TableSpec:
         return out
 
     def config(self, run: RunSpec, out_dir: str) -> dict[str, Any]:
-        """The run's :class:`~treegrpo.train.config.TrainConfig` fields."""
+        """The run's :class:`~treegrpo.training.config.TrainConfig` fields."""
         every = self.eval_every or self.steps
         return {
             "model": self.model, "data": self.data, "corpus": self.corpus, "steps": self.steps,
@@ -104,7 +104,7 @@ def _slug(label: str) -> str:
 def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     """The starting folder's held-out evaluation (greedy and sampled) and the questions' ids,
     computed once and kept in ``work``."""
-    from treegrpo.train.config import TrainConfig
+    from treegrpo.training.config import TrainConfig
 
     probe = spec.config(spec.runs()[0], str(work / "unused"))
     keep = {k: probe[k] for k in ("model", "data", "corpus", "eval_prompts")} | spec.overrides
@@ -122,8 +122,8 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
 
 def train_prompt_ids(spec: TableSpec) -> list[str]:
     """The ids of the training questions the runs draw from, in the task's order."""
-    from treegrpo.train.config import TrainConfig
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.config import TrainConfig
+    from treegrpo.training.setup import build_run
 
     return [t.id for t in build_run(TrainConfig(**spec.config(spec.runs()[0], ""))).train_tasks]
 
@@ -131,7 +131,7 @@ def train_prompt_ids(spec: TableSpec) -> list[str]:
 def prompt_order(spec: TableSpec, seed: int, task_ids: list[str]) -> list[str]:
     """Every step's prompts of a run at ``seed``, in order (the trainer's own prompt stream,
     replayed: the same for both samplers)."""
-    from treegrpo.train.checkpoint import RunState
+    from treegrpo.training.checkpoint import RunState
 
     state = RunState.fresh(seed)
     return [i for _ in range(spec.steps) for i in state.draw_prompts(task_ids, spec.prompts_per_step)]
@@ -146,10 +146,10 @@ def run_one(
     spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], task_ids: list[str], log: Log
 ) -> dict[str, Any]:
     """Train (or resume, or reuse) one run; its row."""
-    from treegrpo.train.checkpoint import CHECKPOINT_DIR, drop_previous
-    from treegrpo.train.config import TrainConfig
-    from treegrpo.train.metrics import read_metrics
-    from treegrpo.train.trainer import TrainSummary, train
+    from treegrpo.training.checkpoint import CHECKPOINT_DIR, drop_previous
+    from treegrpo.training.config import TrainConfig
+    from treegrpo.training.metrics import read_metrics
+    from treegrpo.training.trainer import TrainSummary, train
     from treegrpo.tree import read_forests
 
     run_dir = run_folder(spec, run, work)

@@ -197,8 +197,8 @@ def held_out_eval(cfg: Any, sampled: bool) -> dict[str, Any]:
     ``"wall_s"`` (the evaluation's, loading excluded)``}``."""
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
-    from treegrpo.train.evaluate import evaluate
-    from treegrpo.train.setup import build_run
+    from treegrpo.training.evaluate import evaluate
+    from treegrpo.training.setup import build_run
 
     parts = build_run(cfg)
     engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)

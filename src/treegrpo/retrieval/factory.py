@@ -10,7 +10,7 @@ keyed ``<name>-<data package version>`` instead)::
     dense-all-MiniLM-L6-v2-L256/     embeddings.npy (memory-mapped) + treegrpo_dense.json
 
 Everything a user can get wrong (missing file, bad JSONL, missing optional package, unknown
-retriever kind) raises :class:`~treegrpo.train.config.ConfigError` with one actionable line.
+retriever kind) raises :class:`~treegrpo.training.config.ConfigError` with one actionable line.
 """
 
 from __future__ import annotations

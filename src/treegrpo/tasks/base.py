@@ -1,6 +1,6 @@
 """The task-family contract: what a training run needs from a task, and nothing about RL.
 
-A family answers two questions for a run config (:class:`~treegrpo.train.config.TrainConfig`):
+A family answers two questions for a run config (:class:`~treegrpo.training.config.TrainConfig`):
 
 - ``starting_model(cfg)``: the folder of the policy to start from when the user gives no
   ``--model`` (a family's own tiny agent, bootstrapped and cached on first use);

@@ -44,8 +44,8 @@ from treegrpo.tasks.base import TaskFamily, TaskSource
 from treegrpo.tasks.wikiqa import NAME as WIKIQA
 from treegrpo.tasks.wikiqa import Split, wiki_vital_qa
 from treegrpo.tasks.world.task import starting_model as world_starting_model
-from treegrpo.train.config import TrainConfig
-from treegrpo.train.warmup import Demo
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.warmup import Demo
 
 QUESTION_MARKER = "Question:"
 #: Built-in question sets a run names instead of a file: name -> split -> tasks.

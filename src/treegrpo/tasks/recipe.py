@@ -4,7 +4,7 @@ tokenizer → model → warm-up → measure → record → cache, run by :func:`
 A task family *configures* the recipe, it does not restate it:
 
 - its settings are a frozen dataclass that extends :class:`RecipeConfig` (the warm-up's knobs,
-  inherited from :class:`~treegrpo.train.warmup.WarmupConfig`, the seed, the tokenizer and Qwen2
+  inherited from :class:`~treegrpo.training.warmup.WarmupConfig`, the seed, the tokenizer and Qwen2
   shape, the measurement), or :class:`LoopRecipeConfig` for a multi-turn agent (its loop limits);
   the class names its ``version`` and its ``weight_modules`` (what decides the weights, hashed
   into the cache key, :func:`recipe_hash`);
@@ -43,7 +43,7 @@ from treegrpo.rollout.agent import AgentConfig, RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
 from treegrpo.tasks.common import Settings
-from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demos, supervised_warmup
+from treegrpo.training.warmup import Demo, WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
 #: The modules whose code decides every tiny agent's weights (the context encoding, the model, the
 #: warm-up, the splits and settings records, this recipe); a family's ``weight_modules`` add its
@@ -51,7 +51,7 @@ from treegrpo.train.warmup import Demo, WarmupConfig, demo_texts, encode_demos, 
 RECIPE_MODULES = (
     "treegrpo.rollout.agent",
     "treegrpo.models.tiny",
-    "treegrpo.train.warmup",
+    "treegrpo.training.warmup",
     "treegrpo.tasks.common",
     "treegrpo.tasks.recipe",
 )
@@ -66,7 +66,7 @@ def recipe_hash(version: int, weight_modules: Sequence[str], settings: dict[str,
 
 
 def warmup_config_of(cfg: Any) -> WarmupConfig:
-    """The :class:`~treegrpo.train.warmup.WarmupConfig` of a bootstrap config: every warm-up field
+    """The :class:`~treegrpo.training.warmup.WarmupConfig` of a bootstrap config: every warm-up field
     the config has, the warm-up's defaults for the others."""
     names = {f.name for f in dataclasses.fields(WarmupConfig)}
     return WarmupConfig(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
@@ -80,7 +80,7 @@ class RecipeConfig(WarmupConfig, Settings):
     Attributes:
         epochs / batch_size / pack_len / lr / weight_decay / warmup_frac / lr_decay_frac /
             decision_weight / grad_clip / micro_batch_size: the supervised warm-up
-            (:class:`~treegrpo.train.warmup.WarmupConfig`).
+            (:class:`~treegrpo.training.warmup.WarmupConfig`).
         seed: model init, demo imperfections, SFT order and evaluation sampling.
         vocab_size: BPE vocabulary size of the tokenizer.
         hidden_size / layers / heads / kv_heads / intermediate_size / max_positions: the Qwen2 shape.
@@ -256,7 +256,7 @@ def build_tiny_agent(
 
     Steps: ``recipe.prepare`` (the env and the demos); a tokenizer trained on the corpus and the
     demos' transcripts; the demos encoded as the agent loop holds them (a step over the loop's cap
-    is never taught, :func:`~treegrpo.train.warmup.encode_demos`); a small Qwen2
+    is never taught, :func:`~treegrpo.training.warmup.encode_demos`); a small Qwen2
     (:func:`~treegrpo.models.tiny.model_for`); the supervised warm-up on the demos' policy tokens;
     the measurement on the first ``n_eval`` eval tasks, sampled at T=1 and greedy; the record;
     :func:`~treegrpo.models.tiny.save_tiny`. ``threads``: torch intra-op threads while building

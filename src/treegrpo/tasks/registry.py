@@ -9,7 +9,7 @@ from treegrpo.tasks.base import TaskFamily
 from treegrpo.tasks.datafile import DATAFILE
 from treegrpo.tasks.sql.task import SQL
 from treegrpo.tasks.world.task import WORLD
-from treegrpo.train.config import TrainConfig
+from treegrpo.training.config import TrainConfig
 
 TASK_FAMILIES: dict[str, TaskFamily] = {f.name: f for f in (WORLD, DATAFILE, ARITH, SQL)}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.errors import ConfigError
-from treegrpo.train.metrics import read_metrics
+from treegrpo.training.metrics import read_metrics
 from treegrpo.tree import Forest, ForestError, Node, Tree, read_forests
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl?$")
@@ -184,7 +184,7 @@ def run_estimator(cfg: dict[str, Any]) -> str | None:
     validate (e.g. a run of an older version)."""
     from pydantic import ValidationError
 
-    from treegrpo.train.config import TrainConfig
+    from treegrpo.training.config import TrainConfig
 
     try:
         return TrainConfig.model_validate(cfg).estimator

@@ -32,7 +32,7 @@ from treegrpo.tasks.arith.problems import (
     build_problems,
     worked_solution,
 )
-from treegrpo.train.warmup import Demo
+from treegrpo.training.warmup import Demo
 
 ARITH_BOOTSTRAP_VERSION = 1
 # The modules whose code decides the weights (problems, demos, tokenizer, model, warm-up): a change
@@ -196,7 +196,7 @@ def arith_run_parts(cfg: Any, model_dir: str | Path) -> tuple[ArithEnv, list[Tas
 
     The problem set and the response cap come from the bootstrap recorded in ``model_dir``
     (:class:`ArithBootstrapConfig` defaults for any other folder); the run config ``cfg``
-    (:class:`~treegrpo.train.config.TrainConfig`) gives temperature and top-p, and overrides the
+    (:class:`~treegrpo.training.config.TrainConfig`) gives temperature and top-p, and overrides the
     cap and the context limit when it sets ``max_step_tokens`` / ``max_context_tokens`` explicitly.
     """
     info = tiny_info(model_dir)

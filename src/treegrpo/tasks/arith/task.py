@@ -8,7 +8,7 @@ from pathlib import Path
 from treegrpo.models.loader import LoadedModel
 from treegrpo.tasks.arith.bootstrap import arith_run_parts, ensure_arith_bootstrapped
 from treegrpo.tasks.base import TaskFamily, TaskSource
-from treegrpo.train.config import TrainConfig
+from treegrpo.training.config import TrainConfig
 
 
 def starting_model(cfg: TrainConfig) -> Path:

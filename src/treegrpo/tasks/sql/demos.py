@@ -20,7 +20,7 @@ from typing import Any
 
 from treegrpo.envs.base import Task
 from treegrpo.tasks.sql.env import SqlEnv
-from treegrpo.train.warmup import Demo
+from treegrpo.training.warmup import Demo
 
 
 def _steps(env: SqlEnv, task: Task, statements: Sequence[str], answer: str | None) -> tuple[list[tuple[str, str | None]], float, list[str]]:

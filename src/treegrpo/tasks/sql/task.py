@@ -12,7 +12,7 @@ from treegrpo.tasks.base import TaskFamily, TaskSource
 from treegrpo.tasks.sql.bootstrap import ensure_sql_bootstrapped, recorded_config
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import build_problems
-from treegrpo.train.config import TrainConfig
+from treegrpo.training.config import TrainConfig
 
 
 def starting_model(cfg: TrainConfig) -> Path:

@@ -1,6 +1,6 @@
 """Bootstrap the tiny starting policy of the synthetic search world: imperfect demonstrations
 (:mod:`treegrpo.tasks.world.demos`), a tokenizer and a small Qwen2 (:mod:`treegrpo.models.tiny`),
-the supervised warm-up (:mod:`treegrpo.train.warmup`), measured through the real agent loop: the
+the supervised warm-up (:mod:`treegrpo.training.warmup`), measured through the real agent loop: the
 one tiny-agent recipe (:mod:`treegrpo.tasks.recipe`) configured by this module.
 
 The folder is written atomically (built in a temp folder beside it, then renamed) with

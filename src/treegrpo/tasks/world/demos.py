@@ -26,7 +26,7 @@ from typing import Any
 from treegrpo.envs.base import Task
 from treegrpo.envs.search import SearchEnv
 from treegrpo.tasks.world.world import RELATIONS, SPLITS, World, build_world
-from treegrpo.train.warmup import Demo
+from treegrpo.training.warmup import Demo
 
 
 def make_env(world: World, topk: int = 3, prompt_template: str = "minimal") -> SearchEnv:

@@ -14,7 +14,7 @@ from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.tasks.base import TaskFamily, TaskSource
 from treegrpo.tasks.world.bootstrap import ensure_bootstrapped
 from treegrpo.tasks.world.world import PRESETS, build_world
-from treegrpo.train.config import TrainConfig
+from treegrpo.training.config import TrainConfig
 
 
 def starting_model(cfg: TrainConfig) -> Path:

@@ -1,0 +1,91 @@
+"""What a run reports: per-step rollout statistics (:func:`rollout_metrics`) and the console
+lines (:func:`run_shape`, :func:`fmt_eval`, :func:`step_line`)."""
+
+from __future__ import annotations
+
+from treegrpo.retrieval.base import retrieval_error_warning
+from treegrpo.rollout.agent import RolloutResult
+from treegrpo.training.config import TrainConfig
+
+
+def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
+    """Reward, trajectory shape and budget figures of one rollout batch."""
+    leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
+    rewards = [float(leaf.reward or 0.0) for leaf in leaves]
+    b = result.total()
+    turns = [int(leaf.extra.get("turn", 0)) for leaf in leaves]
+    answered = [leaf.extra.get("kind") == "answer" for leaf in leaves]
+    solved_prompts = sum(any((leaf.reward or 0) > 0 for _, leaf in f.leaves()) for f in result.forests)
+    # groups with a non-zero advantage signal: forests whose leaves disagree
+    informative = sum(len({leaf.reward for _, leaf in f.leaves()}) > 1 for f in result.forests)
+    return {
+        "reward/mean": sum(rewards) / max(1, len(rewards)),
+        "reward/pass_at_group": solved_prompts / max(1, len(result.forests)),
+        "rollout/trajectories": n_traj,
+        "rollout/turns_mean": sum(turns) / max(1, len(turns)),
+        "rollout/answered_frac": sum(answered) / max(1, len(answered)),
+        "rollout/informative_groups": informative / max(1, len(result.forests)),
+        "budget/generated_tokens": b.generated_tokens,
+        "budget/prefill_tokens": b.prefill_tokens,
+        "budget/tool_calls": b.tool_calls,
+        "budget/engine_calls": result.engine_calls,
+        "budget/invalid_actions": b.invalid_actions,
+        "budget/retrieval_errors": b.retrieval_errors,
+        "budget/context_overflows": b.context_overflows,
+        "budget/tool_calls_per_traj": b.tool_calls / max(1, n_traj),
+        "budget/traj_per_1k_tokens": 1000.0 * n_traj / max(1, b.generated_tokens),
+    }
+
+
+def run_shape(cfg: TrainConfig) -> str:
+    """The rollout shape of ``cfg`` in the paper's notation, for the run banner."""
+    if cfg.sampler == "eptree":
+        return f"(M,N,L,T)=({cfg.m},{cfg.n},{cfg.l},{cfg.t}) fork at {cfg.fork_score}"
+    return (
+        f"G={cfg.group_size}"
+        if cfg.sampler == "chain"
+        else f"(M,N,L)=({cfg.m},{cfg.n},{cfg.l}) {cfg.expand_mode}"
+    )
+
+
+def fmt_eval(ev: dict[str, float]) -> str:
+    """Held-out success figures of an evaluation, for a console line."""
+    parts = [f"greedy {ev['eval/success_greedy']:.3f}"]
+    if "eval/success_sampled" in ev:
+        parts.insert(0, f"sampled {ev['eval/success_sampled']:.3f}")
+    return " · ".join(parts)
+
+
+def step_line(step: int, m: dict[str, float]) -> str:
+    """The console line of one training step (with held-out figures on evaluation steps)."""
+    line = (
+        f"step {step:4d} · reward {m['reward/mean']:.3f} · traj {int(m['rollout/trajectories'])} · "
+        f"gen tok {int(m['budget/generated_tokens'])} · tools/traj {m['budget/tool_calls_per_traj']:.2f} · "
+        f"turns {m['rollout/turns_mean']:.2f} · {m['time/rollout_s']:.1f}s+{m['time/update_s']:.1f}s"
+    )
+    if "eval/success_greedy" in m:
+        line += f" · [bold]held-out {fmt_eval(m)}[/]"
+    return line
+
+
+def step_warnings(m: dict[str, float]) -> list[str]:
+    """Console warnings a step's metrics call for (plain text, one line each): searches failing
+    (:func:`~treegrpo.retrieval.base.retrieval_error_warning`), prompts that did not fit the context."""
+    out = []
+    retrieval = retrieval_error_warning(int(m["budget/retrieval_errors"]), int(m["budget/tool_calls"]))
+    if retrieval:
+        out.append(retrieval)
+    if m.get("update/skipped_steps"):
+        out.append(
+            f"warning: {int(m['update/skipped_steps'])} optimizer step(s) skipped: the loss or gradient was not "
+            f"finite (loss/total={m.get('loss/total')}); the weights and optimizer state were left unchanged"
+        )
+    if m.get("budget/context_overflows"):
+        out.append(
+            f"warning: {int(m['budget/context_overflows'])} trajectories ended before their first step: the "
+            "prompt leaves no room for a step within max_context_tokens (raise it or shorten the prompts)"
+        )
+    return out
+
+
+__all__ = ["fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings"]
