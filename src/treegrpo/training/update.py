@@ -54,7 +54,13 @@ from treegrpo.training.batching import (
     token_logprobs,
 )
 from treegrpo.training.config import TrainConfig
-from treegrpo.training.distributed import SINGLE, Parallel, clip_grad_norm, minibatch_selects, split_minibatches
+from treegrpo.training.distributed import (
+    SINGLE,
+    Parallel,
+    clip_grad_norm,
+    minibatch_selects,
+    split_minibatches,
+)
 from treegrpo.training.logprobs import effective_temperature
 from treegrpo.training.packing.forward import attention_pair_cost, packed_logprobs
 from treegrpo.training.packing.layout import PackedBatch, empty_batch, pack_forests
