@@ -110,8 +110,8 @@ def test_encoded_demo_matches_the_agent_loop(parts):
             assert len(o) <= cfg.max_obs_tokens and tok.decode(o).rstrip().endswith("</information>")
             assert enc.ids[pos : pos + len(o)] == o and set(enc.policy_mask[pos : pos + len(o)]) == {0}
             pos += len(o)
-    assert pos == len(enc.ids)
-    assert enc.policy_mask[-1] == 1  # the final answer
+    # the final answer is followed by the end-of-turn token, trained on (the model learns to stop)
+    assert pos + 1 == len(enc.ids) and enc.ids[-1] == tok.eos_token_id and enc.policy_mask[-2:] == [1, 1]
 
 
 def test_loss_is_on_policy_tokens_only(parts):

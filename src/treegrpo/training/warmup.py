@@ -85,8 +85,21 @@ class DemoTooLong(ConfigError):
     step off as an invalid action, so the warm-up must never teach it."""
 
 
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The id that ends a model's turn: the tokenizer's EOS (``<|im_end|>`` for ChatML instruct
+    models such as SmolLM2 and Qwen2.5, ``<|eot_id|>`` for Llama 3.1 Instruct, the tiny agents'
+    ``</s>``); ``None`` for a tokenizer without one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return None if eos is None else int(eos)
+
+
 def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
     """Token ids and policy mask of ``demo``, built exactly as the agent loop builds a context.
+
+    A demo that ends in a final step (no observation after it) gets the end-of-turn token
+    (:func:`end_of_turn_id`) after that step, trained on: the model learns to end its turn by
+    itself after its answer, so it stops there when served without our stop strings (TRL's
+    ``generate``, a chat server). The agent loop still stops a step at its action's end tag.
 
     Raises :class:`DemoTooLong` when a step has more tokens than ``max_step_tokens``."""
     tok = runner.tokenizer
@@ -106,6 +119,10 @@ def encode_demo(runner: StepRunner, demo: Demo) -> EncodedDemo:
             o = runner.observation_ids(obs)[1]  # as the loop keeps it (truncation, chat format)
             ids += o
             mask += [0] * len(o)
+    eot = end_of_turn_id(tok)
+    if demo.steps and demo.steps[-1][1] is None and eot is not None and (not ids or ids[-1] != eot):
+        ids.append(eot)
+        mask.append(1)
     return EncodedDemo(ids, mask)
 
 
@@ -375,6 +392,7 @@ __all__ = [
     "WarmupConfig",
     "demo_texts",
     "encode_demo",
+    "end_of_turn_id",
     "policy_token_loss",
     "progress_line",
     "sft_steps",
