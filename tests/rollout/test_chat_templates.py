@@ -241,6 +241,29 @@ def test_trl_accepts_our_templates_and_parses_their_calls(smollm2: Any) -> None:
             add_response_schema(tok)
 
 
+@needs_package("trl")
+def test_the_notes_on_the_real_templates_trl_ships(smollm2: Any) -> None:
+    """Real templates (as TRL 1.16 ships them): Qwen3 drops earlier thinking (re-render), its TRL
+    training variant and Qwen2.5 do not; Meta's Llama 3.1 refuses two calls in one turn."""
+    import trl
+
+    def real(name: str) -> Any:
+        tok = with_llama_tokens(smollm2) if name.startswith("llama") else copy.deepcopy(smollm2)
+        tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+        check_tool_template(tok, SCHEMAS)
+        return tok
+
+    assert rerender_note(real("qwen2_5"), SCHEMAS) is None and rerender_note(real("qwen3_training"), SCHEMAS) is None
+    qwen3 = rerender_note(real("qwen3"), SCHEMAS)
+    assert qwen3 is not None and "re-renders earlier turns (the prompt of assistant turn 3 does not begin with assistant turn 2" in qwen3
+    llama = real("llama3_1")
+    note = rerender_note(llama, SCHEMAS)
+    assert note is not None and "refuses several tool calls in one turn" in note and "\n" not in note
+    with pytest.raises(ConfigError, match=r"cannot render this tool turn \(TemplateError: This model only supports single"):
+        tool_turn_text(llama, RESULTS, SCHEMAS)
+
+
+@pytest.mark.slow
 @needs_package("trl", "datasets", "accelerate")
 def test_trl_grpo_trainer_runs_its_tool_loop_on_chatml_tools(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
     """One ``GRPOTrainer(tools=[lookup])`` step on SmolLM2 (2 layers) with chatml-tools: the first

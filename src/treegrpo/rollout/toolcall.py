@@ -231,7 +231,7 @@ def tool_turn_text(tokenizer: Any, results: list[dict[str, Any]], schemas: list[
     Rendered against a placeholder history (a user message and an assistant turn calling the same
     tools, with the same ``tools=schemas``) and taken as the difference of the two renderings.
     Raises :class:`ConfigError` when the template does not render that history as a prefix of the
-    longer one (or renders no end-of-turn token)."""
+    longer one (or renders no end-of-turn token), or refuses the turn (several calls, say)."""
     if not results:
         raise ValueError("tool_turn_text needs the results of at least one call")
     calls = [
@@ -240,7 +240,13 @@ def tool_turn_text(tokenizer: Any, results: list[dict[str, Any]], schemas: list[
         for r in results
     ]  # fmt: skip
     history = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    text = appended_text(tokenizer, history, results, tools=schemas, close=end_of_turn_tokens(tokenizer))
+    try:
+        text = appended_text(tokenizer, history, results, tools=schemas, close=end_of_turn_tokens(tokenizer))
+    except Exception as e:  # the template refuses the turn (e.g. Meta's Llama 3.1: one call per turn)
+        raise ConfigError(
+            f"the chat template cannot render this tool turn ({type(e).__name__}: {e}); "
+            "use --chat-template chatml-tools or a template that supports tools"
+        ) from e
     if text is None:
         raise ConfigError(
             "this chat template does not render a conversation with tool calls as a prefix of the same "

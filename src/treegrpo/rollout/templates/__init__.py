@@ -155,23 +155,37 @@ def check_tool_template(tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
         raise ConfigError(f"the chat template renders no tool result (role tool); {_FIX}")
 
 
-def _probe(schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A conversation as a thinking tool agent generates it: two calls, their results, an answer,
-    a follow-up question and its answer."""
+def _probe(schemas: list[dict[str, Any]], calls: int = 2) -> list[dict[str, Any]]:
+    """A conversation as a thinking tool agent generates it: ``calls`` calls, their results, an
+    answer, a follow-up question and its answer."""
     name = next((n for n in map(_schema_name, schemas) if n), "add")
 
     def call(a: int, b: int) -> dict[str, Any]:
         return {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}
 
+    sums = [(2, 3), (4, 5)][:calls]
     return [
         {"role": "user", "content": "What are 2+3 and 4+5?"},
-        {"role": "assistant", "content": "<think>\nTwo sums.\n</think>\n\nLet me add.", "tool_calls": [call(2, 3), call(4, 5)]},
-        {"role": "tool", "name": name, "content": "5"},
-        {"role": "tool", "name": name, "content": "9"},
-        {"role": "assistant", "content": "<think>\nBoth known.\n</think>\n\n5 and 9."},
+        {"role": "assistant", "content": "<think>\nSums.\n</think>\n\nLet me add.", "tool_calls": [call(*s) for s in sums]},
+        *({"role": "tool", "name": name, "content": str(a + b)} for a, b in sums),
+        {"role": "assistant", "content": "<think>\nKnown.\n</think>\n\n5 and 9."},
         {"role": "user", "content": "And 1+1?"},
         {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n2."},
     ]  # fmt: skip
+
+
+def _turn_by_turn(tokenizer: Any, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """What the loop holds at each point of ``messages``, rendered: each assistant turn's prompt (up
+    to its generation prompt) and the history after it (up to its last end-of-turn token)."""
+    ends, steps = end_of_turn_tokens(tokenizer), []
+    for k, msg in enumerate(messages):
+        if msg["role"] == "assistant":
+            n = len(steps) // 2 + 1
+            steps.append((f"the prompt of assistant turn {n}", _render(tokenizer, messages[:k], schemas, True)))
+            closed = _render(tokenizer, messages[: k + 1], schemas, False)
+            cut = max((closed.rfind(t) + len(t) for t in ends if t in closed), default=len(closed))
+            steps.append((f"assistant turn {n}", closed[:cut]))
+    return steps
 
 
 def rerender_note(tokenizer: Any, schemas: list[dict[str, Any]]) -> str | None:
@@ -182,25 +196,21 @@ def rerender_note(tokenizer: Any, schemas: list[dict[str, Any]]) -> str | None:
     generation prompt, each history up to its last end-of-turn token) does not give prefixes of
     rendering it whole (the template re-renders earlier turns, e.g. Qwen3 drops earlier thinking);
     when the pieces, tokenized one by one as the loop does, differ from the whole tokenized at once
-    (the tokenizer merges text across a turn boundary); or when the template writes today's date
-    (``strftime_now``, as Llama 3.2+'s header does), so the same conversation renders differently
-    on another day."""
-    messages, ends = _probe(schemas), end_of_turn_tokens(tokenizer)
+    (the tokenizer merges text across a turn boundary); when the template refuses several calls in
+    one turn (Meta's Llama 3.1); or when it writes today's date (``strftime_now``, as Llama 3.2+'s
+    header does), so the same conversation renders differently on another day."""
     reasons = []
     try:
-        steps = []
-        for k, msg in enumerate(messages):
-            if msg["role"] != "assistant":
-                continue
-            steps.append((f"the prompt of assistant turn {len(steps) // 2 + 1}", _render(tokenizer, messages[:k], schemas, True)))
-            closed = _render(tokenizer, messages[: k + 1], schemas, False)
-            cut = max((closed.rfind(t) + len(t) for t in ends if t in closed), default=len(closed))
-            steps.append((f"assistant turn {len(steps) // 2 + 1}", closed[:cut]))
-    except Exception as e:
-        return f"chat template note: it cannot render a tool conversation ({type(e).__name__}: {e})"
+        steps = _turn_by_turn(tokenizer, _probe(schemas), schemas)
+    except Exception as e:  # a template that rejects what the probe holds raises anything
+        try:
+            steps = _turn_by_turn(tokenizer, _probe(schemas, calls=1), schemas)
+        except Exception:
+            return f"chat template note: it cannot render a tool conversation ({type(e).__name__}: {e})"
+        reasons.append(f"it refuses several tool calls in one turn ({type(e).__name__}: {e})")
     bad = next((i for i in range(1, len(steps)) if not steps[i][1].startswith(steps[i - 1][1])), None)
     if bad is not None:
-        reasons.append(f"it re-renders earlier turns ({steps[bad - 1][0]} is not a prefix of {steps[bad][0]}'s history)")
+        reasons.append(f"it re-renders earlier turns ({steps[bad][0]} does not begin with {steps[bad - 1][0]} as rendered before)")
     else:
         ids, prev = [], ""
         for _, text in steps:
