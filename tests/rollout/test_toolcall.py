@@ -176,6 +176,9 @@ def test_real_response_parser_agrees_with_the_built_in_one(smollm2_tok: Any) -> 
     for text in [f"Checking.\n{PARIS}\n{ROME}<|im_end|>", f"{PARIS}<|im_end|>", "No call.<|im_end|>"]:
         assert tok.parse_response(text, prefix="")  # the response parser itself reads it
         assert parse_tool_calls(text, tok) == parse_tool_calls(text, tok, fmt="hermes")
+    around = f"Checking.\n{PARIS}\nThen Rome.<|im_end|>"
+    assert tok.parse_response(around, prefix="")["content"] == "Then Rome."  # transformers drops "Checking."
+    assert parse_tool_calls(around, tok) == ("Checking.\n\nThen Rome.", [ToolCall("get_weather", {"city": "Paris"})])
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call><|im_end|>'
     with pytest.raises(ValueError):
         tok.parse_response(bad, prefix="")  # transformers' parser raises on bad output ...

@@ -184,25 +184,26 @@ def parse_tool_calls(
     """The content of one assistant turn (its decoded text, special tokens included) without its
     tool calls and its end-of-turn token (stripped), and its calls in order.
 
-    ``fmt="auto"``: the tokenizer's response parser where it has one (``response_template``); where
-    that parser fails on the text, the built-in parsers, and one :class:`ToolCallError` holding the
-    text when they find no call either. Without one: ``hermes`` when the text holds
-    ``<tool_call>``, else ``llama3`` (which finds nothing in plain text). ``"hermes"`` /
-    ``"llama3"``: that parser only."""
+    ``fmt="auto"``: the tokenizer's response parser where it has one (``response_template``; the
+    built-in parser's content where both find the same calls); where that parser fails on the text,
+    the built-in parsers, and one :class:`ToolCallError` holding the text when they find no call
+    either. The built-in parser: ``hermes`` when the text holds ``<tool_call>``, else ``llama3``
+    (which finds nothing in plain text). ``"hermes"`` / ``"llama3"``: that parser only."""
     if fmt not in ("auto", "hermes", "llama3"):
         raise ValueError(f"unknown tool-call format {fmt!r}: auto, hermes or llama3")
     ends = end_of_turn_tokens(tokenizer)
     body = _strip_turn_end(text, ends)
     failed = None
+    hermes = fmt == "hermes" or (fmt == "auto" and "<tool_call>" in body)
+    content, calls = parse_hermes(body) if hermes else parse_llama3(body)
     if fmt == "auto" and getattr(tokenizer, "response_template", None) is not None:
         parsed = _from_response_parser(tokenizer, text, ends)
-        if not isinstance(parsed, str):
+        if isinstance(parsed, str):
+            failed = parsed
+        elif parsed[1] != calls:
             return parsed
-        failed = parsed
-    if fmt == "hermes" or (fmt == "auto" and "<tool_call>" in body):
-        content, calls = parse_hermes(body)
-    else:
-        content, calls = parse_llama3(body)
+        # else both find the same calls: keep the built-in parser's content, the text on both
+        # sides of the calls (transformers' keeps only the text after the last call, if any)
     if failed is not None and not calls:
         return "", [ToolCallError(f"the tokenizer's response parser failed on the turn ({failed})", body)]
     return content.strip(), calls

@@ -218,7 +218,7 @@ def rerender_note(tokenizer: Any, schemas: list[dict[str, Any]]) -> str | None:
             prev = text
         if ids != tokenizer.encode(prev, add_special_tokens=False):
             reasons.append("the tokenizer splits the text at a turn boundary differently from the whole conversation")
-    if "strftime_now" in (tokenizer.chat_template or ""):
+    if "strftime_now" in str(tokenizer.chat_template or ""):
         reasons.append("it writes today's date (strftime_now), so the conversation renders differently on another day")
     if not reasons:
         return None
