@@ -16,11 +16,13 @@ parser.add_argument("--sampler", default="tree")
 parser.add_argument("--steps", type=int, default=10)
 args = parser.parse_args()
 
-tools = [calculator, lookup]
-warm = f"runs/calc-warm-{args.protocol}"
+tools, warm = [calculator, lookup], f"runs/calc-warm-{args.protocol}"
+limits = {"max_turns": 3, "max_step_tokens": 64}  # two calls and an answer, each under 64 tokens
+# the native protocol: SmolLM2's own template renders no tools, so give it the tool-capable ChatML one
+native = {"protocol": "tools", "chat_template": "chatml-tools"} if args.protocol == "tools" else {}
 treegrpo.warmup(args.model, demos="demos.jsonl", eval_data="eval.jsonl", tools=tools, reward_funcs=[reward],
-                out=warm, protocol=args.protocol, epochs=2)
+                out=warm, epochs=2, **limits, **native)
 summary = treegrpo.train(warm, train_data="questions.jsonl", eval_data="eval.jsonl", tools=tools, reward_funcs=[reward],
-                         protocol=args.protocol, sampler=args.sampler, steps=args.steps, prompts_per_step=4,
-                         out_dir=f"runs/calc-{args.sampler}-{args.protocol}")
+                         sampler=args.sampler, steps=args.steps, prompts_per_step=4,
+                         out_dir=f"runs/calc-{args.sampler}-{args.protocol}", **limits, **native)
 print(f"held-out reward {summary.eval_start['eval/success_sampled']:.3f} -> {summary.eval_end['eval/success_sampled']:.3f}")

@@ -96,6 +96,7 @@ def train_cmd(
     tools: str | None = typer.Option(None, "--tools", help="Your own tools: package.module:function,... or one package.module:Class (docs/tools.md)."),
     reward: str | None = typer.Option(None, "--reward", help="Reward: em | sub_em | f1 | format | package.module:function (comma-separated: summed, --set reward_weights=[...])."),
     protocol: str | None = typer.Option(None, "--protocol", help="How tools are called: tags (<tool_call>{json}</tool_call>) | tools (the model's own chat template)."),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="The model's chat template: chatml-tools | qwen2.5 | llama3.1 | a Jinja file (default: its own)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
     engine: str | None = typer.Option(None, help="Rollout (and evaluation) engine: hf | vllm (vLLM installed; see docs/vllm.md)."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
@@ -135,7 +136,7 @@ def train_cmd(
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
         "resume_override": resume_override,
         "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
-        "env": env, "tools": tools, "reward": reward, "protocol": protocol,
+        "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
     }  # fmt: skip
     try:
         extra = parse_set(set_)
@@ -338,6 +339,7 @@ def warmup_cmd(
     tools: str | None = typer.Option(None, "--tools", help="Your own tools: package.module:function,... or one package.module:Class."),
     reward: str | None = typer.Option(None, "--reward", help="Reward (for the held-out measurement): em | sub_em | f1 | package.module:function."),
     protocol: str | None = typer.Option(None, "--protocol", help="tags | tools (the model's own chat template)."),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="chatml-tools | qwen2.5 | llama3.1 | a Jinja file (saved with the warmed-up model)."),
     corpus: str | None = typer.Option(None, help="Corpus JSONL or wiki-vital (built in)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     demos: int = typer.Option(96, "--n-demos", help="Search task: demonstrations to make (one per question, from the training split)."),
@@ -358,7 +360,7 @@ def warmup_cmd(
     try:
         fields = {
             "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
-            "env": env, "tools": tools, "reward": reward, "protocol": protocol,
+            "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
         }  # fmt: skip
         cfg = load_config(None, {**fields, **parse_set(set_)})
         run = WarmupRun(out, demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_file)

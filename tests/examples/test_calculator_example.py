@@ -16,7 +16,9 @@ import pytest
 import treegrpo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "calculator"
-SMALL = {"max_step_tokens": 48, "max_turns": 2, "eval_prompts": 2, "eval_sampled": False, "threads": 1}
+SMALL = {"max_step_tokens": 48, "max_turns": 2, "eval_prompts": 1, "eval_sampled": False, "threads": 1}
+#: The one setting between the tag protocol and the model's own (train.py's ``native``).
+PROTOCOLS = {"tags": {}, "tools": {"protocol": "tools", "chat_template": "chatml-tools"}}
 
 
 @pytest.fixture(scope="module")
@@ -35,32 +37,38 @@ def monkeypatch_module():
     mp.undo()
 
 
-@pytest.fixture(scope="module")
-def warm(example, smollm2_2layer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("calc") / "warm"
+@pytest.fixture(scope="module", params=sorted(PROTOCOLS))
+def warm(request: pytest.FixtureRequest, example, smollm2_2layer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("calc") / f"warm-{request.param}"
     record = treegrpo.warmup(
         smollm2_2layer_dir, demos="demos.jsonl", eval_data="eval.jsonl", tools=[example.calculator, example.lookup],
-        reward_funcs=[example.reward], out=out, epochs=0.1, **SMALL,
+        reward_funcs=[example.reward], out=out, epochs=0.05, **SMALL, **PROTOCOLS[request.param],
     )  # fmt: skip
-    assert record["demos"] == 48 and record["sft"]["steps"] == 2  # every demo ran through the tools
+    assert record["demos"] == 48 and record["sft"]["steps"] == 1  # every demo ran through the tools
     assert set(record["eval_after"]) >= {"eval/success_greedy", "eval/well_formed_greedy"}
-    return out
+    return out, request.param
 
 
 @pytest.mark.parametrize("sampler", [{"sampler": "chain", "group_size": 2}, {"sampler": "tree", "m": 1, "n": 1, "l": 1}])
-def test_train_after_the_warmup(example, warm: Path, tmp_path: Path, sampler: dict) -> None:
+def test_train_after_the_warmup(example, warm: tuple[Path, str], tmp_path: Path, sampler: dict) -> None:
+    folder, protocol = warm
     s = treegrpo.train(
-        warm, train_data="questions.jsonl", eval_data="eval.jsonl", tools=[example.calculator, example.lookup],
+        folder, train_data="questions.jsonl", eval_data="eval.jsonl", tools=[example.calculator, example.lookup],
         reward_funcs=[example.reward], steps=1, prompts_per_step=1, out_dir=str(tmp_path / "run"), **SMALL, **sampler,
+        **PROTOCOLS[protocol],
     )  # fmt: skip
     assert s.steps == 1 and s.trajectories == 2 and s.eval_label == "reward"
     forest = json.loads((tmp_path / "run" / "rollouts" / "step_00001.jsonl").read_text().splitlines()[0])
     assert forest["prompt_id"].startswith("questions-")
+    prompt = forest["trees"][0]["nodes"][0]["text"]
+    assert ("<tool_call>" in prompt) == (protocol == "tags")  # tags: the tools in the prompt; tools: the template's system turn
 
 
-def test_the_cli_flags(example, warm: Path, tmp_path: Path) -> None:
+def test_the_cli_flags(example, warm: tuple[Path, str], tmp_path: Path) -> None:
+    folder, protocol = warm
     cmd = [
-        sys.executable, "-m", "treegrpo", "train", "--model", str(warm), "--tools", "tools:calculator,tools:lookup",
+        sys.executable, "-m", "treegrpo", "train", "--model", str(folder), "--tools", "tools:calculator,tools:lookup",
+        "--protocol", protocol,
         "--reward", "tools:reward", "--data", "questions.jsonl", "--eval-data", "eval.jsonl", "--sampler", "chain",
         "--group-size", "2", "--steps", "1", "--prompts-per-step", "1", "--out-dir", str(tmp_path / "cli"),
         *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")],

@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from treegrpo.algos.losses import AGG_MODES
-from treegrpo.training.config import ConfigError, TrainConfig, make_config, single_leaf_groups
+from treegrpo.training.config import ConfigError, TrainConfig, make_config
+from treegrpo.training.defaults import single_leaf_groups
 
 
 def test_every_aggregation_mode_is_a_config_choice() -> None:

@@ -17,8 +17,15 @@ and a tool's result comes back inline, in the same assistant turn (Search-R1's w
     </tool_response>
 
 Generation stops at ``</tool_call>`` / ``</answer>``. One call per step; anything else is an
-invalid action (the model is told the protocol and goes on). ``tools`` — the model's own chat
-template and tool-call syntax (:mod:`treegrpo.rollout.native`).
+invalid action (the model is told the protocol and goes on).
+
+``tools`` — the model's own protocol: the prompt is the chat template's rendering with
+``tools=`` the schemas; a turn ends at the model's end-of-turn token; its calls are parsed in the
+model's syntax (:func:`~treegrpo.rollout.toolcall.parse_tool_calls`: the tokenizer's response
+parser, Hermes/Qwen ``<tool_call>`` JSON, Llama 3.1 JSON) and run in order; the results are
+``role: "tool"`` messages rendered by the template (:func:`~treegrpo.rollout.toolcall.tool_turn_text`),
+each cut to ``max_result_tokens``. A turn without a call is the final answer (its content); a turn
+cut off before its end-of-turn token ends the trajectory.
 
 A tool class makes the env stateful: one instance per trajectory (:meth:`ToolEnv.initial_state`,
 ``reset(**row)`` called on it), branched by its ``fork()`` or ``snapshot()``/``restore()`` when it
@@ -38,6 +45,15 @@ from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.envs.reward_fns import Message, RewardSet
 from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, tool_method_names
 from treegrpo.errors import ConfigError
+from treegrpo.rollout.toolcall import (
+    ToolCall,
+    ToolCallError,
+    assistant_message,
+    assistant_turn_text,
+    end_of_turn_tokens,
+    parse_tool_calls,
+    tool_turn_text,
+)
 
 Protocol = Literal["tags", "tools"]
 PROTOCOLS: tuple[str, ...] = ("tags", "tools")
@@ -102,6 +118,8 @@ class ToolEnv:
         prompt_template: the tag protocol's prompt, a format string with ``{question}`` (and
             ``{tools}``, the schemas one JSON per line) or ``tools`` | ``minimal``.
         timeout_s: a tool call running longer gets a time-out error as its result (``None``: no limit).
+        tokenizer: the model's tokenizer (the ``tools`` protocol renders and parses through it).
+        max_result_tokens: ``tools`` protocol: a tool result longer than this many tokens is cut.
     """
 
     tools: Sequence[Callable[..., Any]] = ()
@@ -111,6 +129,8 @@ class ToolEnv:
     protocol: Protocol = "tags"
     prompt_template: str = "tools"
     timeout_s: float | None = 30.0
+    tokenizer: Any = None
+    max_result_tokens: int = 600
     needs_messages: bool = field(default=True, init=False)
     """The agent loop passes each trajectory's earlier messages to :meth:`step` (the rewards read them)."""
 
@@ -142,6 +162,8 @@ class ToolEnv:
         self._template = template
         self._reset_text: dict[str, str] = {}
         self.state_mode = self._state_mode()
+        if self.protocol == "tools" and self.tokenizer is None:
+            raise ConfigError("protocol tools renders through the model's chat template: give ToolEnv its tokenizer")
 
     # -- the contract ------------------------------------------------------------------------------
     @property
@@ -155,6 +177,17 @@ class ToolEnv:
         if self.protocol == "tags":
             return {"tool": "</tool_call>", "answer": "</answer>"}
         return {"tool": None, "answer": None}
+
+    @property
+    def turns_end_at_eos(self) -> bool:
+        """``tools`` protocol: a turn ends at the model's end-of-turn token, and this env decides
+        whether the trajectory goes on (a turn with calls) or ends (a turn without)."""
+        return self.protocol == "tools"
+
+    @property
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The schemas the agent loop renders into the prompt with the chat template (``tools=``)."""
+        return self.tool_schemas if self.protocol == "tools" else None
 
     @property
     def binary_reward(self) -> bool:
@@ -189,14 +222,23 @@ class ToolEnv:
         [(reward, info)] = self._rewards([task], [[*messages, *self._step_messages(step)]], [state])
         return reward, info
 
-    def demo_step(self, *, tool: str | None = None, arguments: Any = None, answer: str | None = None, thought: str = "") -> str:
-        """A step's text in this env's protocol: a call of ``tool`` or the final ``answer`` (a warm-up
-        demonstration's step, :mod:`treegrpo.training.demo_file`)."""
+    def demo_steps(self, calls: Sequence[tuple[str, Any]] = (), answer: str | None = None, thought: str = "") -> list[str]:
+        """The text of one demonstrated turn in this env's protocol: its tool ``calls`` or its final
+        ``answer`` (:mod:`treegrpo.training.demo_file`). The tag protocol takes one call per step;
+        the native protocol renders the turn with the chat template, as the model would write it."""
+        if self.protocol == "tools":
+            msg = assistant_message(thought.strip(), [ToolCall(n, a) for n, a in calls]) if calls else {
+                "role": "assistant", "content": (answer or "").strip()}
+            return [assistant_turn_text(self.tokenizer, msg, self.tool_schemas)]
         head = f"{thought.strip()}\n" if thought.strip() else ""
-        if answer is not None:
-            return f"{head}<answer> {answer.strip()} </answer>"
-        call = json.dumps({"name": tool, "arguments": arguments if arguments is not None else {}}, ensure_ascii=False)
-        return f"{head}<tool_call>{call}</tool_call>"
+        if not calls:
+            return [f"{head}<answer> {(answer or '').strip()} </answer>"]
+        texts = []
+        for n, a in calls:
+            call = json.dumps({"name": n, "arguments": a if a is not None else {}}, ensure_ascii=False)
+            texts.append(f"{head}<tool_call>{call}</tool_call>")
+            head = ""
+        return texts
 
     def step(
         self,
@@ -219,6 +261,11 @@ class ToolEnv:
         ending: list[int] = []
         for i, (text, allowed) in enumerate(zip(steps, search_allowed, strict=True)):
             state = states[i] if states is not None else None
+            if self.protocol == "tools":
+                out[i] = self._native_step(text, allowed, state)
+                if out[i].done:  # type: ignore[union-attr]
+                    ending.append(i)
+                continue
             m = _ACTION.search(text)
             kind = m.group(1) if m else None
             if kind == "answer":
@@ -329,6 +376,51 @@ class ToolEnv:
             tool_calls=int(result.ran),
             info=info,
         )
+
+    def _native_step(self, text: str, allowed: bool, state: Any) -> StepOutcome:
+        """One assistant turn in the model's own protocol (module docstring)."""
+        tok = self.tokenizer
+        content, parsed = parse_tool_calls(text, tok)
+        calls = [c for c in parsed if isinstance(c, ToolCall)]
+        if not any(text.rstrip().endswith(t) for t in end_of_turn_tokens(tok)):  # cut at max_step_tokens
+            return StepOutcome("invalid", True, info={"cut": True, "messages": [{"role": "assistant", "content": content}]})
+        if not parsed:  # no call: the final answer
+            msgs = [{"role": "assistant", "content": content}]
+            return StepOutcome("answer", True, info={"answer": content, "messages": msgs})
+        if not allowed:
+            return StepOutcome("tool", True, info={"refused": True, "messages": [assistant_message(content, calls)]})
+        tools = self._tools_of(state)
+        results: list[Message] = []
+        errors, ran = [], 0
+        for c in parsed:
+            if isinstance(c, ToolCallError):
+                r = ToolResult("", f"Error: {c.message}.", error=c.message)
+            elif c.name not in tools:
+                why = f"there is no tool {c.name!r} (tools: {', '.join(tools) or 'none'})"
+                r = ToolResult(c.name, f"Error: {why}.", error=why)
+            else:
+                r = tools[c.name].call(c.arguments, self.timeout_s)
+            ran += int(r.ran)
+            if r.error:
+                errors.append(r.error)
+            res: Message = {"role": "tool", "name": r.name or "tool", "content": self._fit(r.content)}
+            if isinstance(c, ToolCall) and c.id is not None:
+                res["tool_call_id"] = c.id
+            results.append(res)
+        info: dict[str, Any] = {"messages": [assistant_message(content, calls), *results]}
+        if calls:
+            info["tool"] = calls[0].name
+        if errors:
+            info["tool_error"] = "; ".join(errors)
+        obs = tool_turn_text(tok, results, self.tool_schemas)
+        return StepOutcome("invalid" if errors else "tool", False, observation=obs, tool_calls=ran, info=info)
+
+    def _fit(self, content: str) -> str:
+        """A tool result cut to ``max_result_tokens`` (marked with `` …``)."""
+        ids = self.tokenizer.encode(content, add_special_tokens=False)
+        if len(ids) <= self.max_result_tokens:
+            return content
+        return self.tokenizer.decode(ids[: self.max_result_tokens], skip_special_tokens=True) + " …"
 
     def _step_messages(self, text: str) -> list[Message]:
         """The messages of a step the env did not answer (it ended the trajectory)."""

@@ -117,11 +117,14 @@ def model_for(cfg: Any, tok: PreTrainedTokenizerFast) -> torch.nn.Module:
 def cut_layers(folder: str | Path, n_layers: int, out: str | Path) -> Path:
     """Save into ``out`` the model of ``folder`` cut to its first ``n_layers`` decoder layers (the
     embeddings, final norm, head and tokenizer kept): a real architecture and tokenizer at a
-    fraction of the cost, for tests and quick runs. Works for the usual ``model.layers.<i>.`` layout
-    (Llama, Qwen2, Mistral …)."""
+    fraction of the cost, for tests and quick runs. ``folder`` is a model folder or any model
+    reference (a ``.gguf`` file, a built-in name such as ``smollm2-135m``, a hub id). Works for the
+    usual ``model.layers.<i>.`` layout (Llama, Qwen2, Mistral …)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    folder, out = Path(folder), Path(out)
+    from treegrpo.models.refs import resolve_model_ref
+
+    folder, out = (Path(folder) if Path(folder).is_dir() else resolve_model_ref(folder)), Path(out)
     config = AutoConfig.from_pretrained(folder)
     if not 0 < n_layers <= config.num_hidden_layers:
         raise ValueError(f"cut_layers: {n_layers} layers asked of a {config.num_hidden_layers}-layer model")

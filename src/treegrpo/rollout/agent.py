@@ -30,6 +30,8 @@ from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
+from treegrpo.rollout.templates import check_tool_template, rerender_note
+from treegrpo.rollout.toolcall import end_of_turn_ids
 from treegrpo.tree import Forest, Node, Tree
 
 
@@ -170,6 +172,20 @@ class StepRunner:
                 stop_ids.append(ids[0])
             # Always the string too: the model may spell a single-token tag with several ids.
             stop_strings.append(s)
+        self.turns_end_at_eos = bool(getattr(self.env, "turns_end_at_eos", False))
+        """The env's turns end at the model's end-of-turn token (a native tool protocol): EOS is
+        the normal end of a step, and the env, not the loop, decides whether the trajectory goes on."""
+        self.chat_tools: list[dict[str, Any]] | None = getattr(self.env, "chat_tools", None)
+        """Tool schemas the chat template renders into the prompt (``tools=``; the native protocol)."""
+        self.template_note: str | None = None
+        """Set when the chat template re-renders earlier turns differently (the loop never re-renders)."""
+        if self.chat_tools is not None:
+            if not (self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None)):
+                raise ConfigError("protocol tools needs the model's chat template: this tokenizer has none (--chat-template NAME|FILE)")
+            check_tool_template(self.tokenizer, self.chat_tools)
+            self.template_note = rerender_note(self.tokenizer, self.chat_tools)
+        if self.turns_end_at_eos:  # every end-of-turn token ends a step (<|im_end|>, <|eot_id|>, <|eom_id|>)
+            stop_ids = sorted(set(stop_ids) | end_of_turn_ids(self.tokenizer))
         self.params = SamplingParams(
             max_new_tokens=self.cfg.max_step_tokens,
             temperature=self.cfg.temperature,
@@ -178,17 +194,15 @@ class StepRunner:
             stop_strings=tuple(stop_strings),
         )
         self.obs_turn = observation_turn(self.tokenizer) if self.cfg.obs_format == "chat" else ("", "")
-        self.turns_end_at_eos = bool(getattr(self.env, "turns_end_at_eos", False))
-        """The env's turns end at the model's end-of-turn token (a native tool protocol): EOS is
-        the normal end of a step, and the env, not the loop, decides whether the trajectory goes on."""
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
         """The prompt's ids: the env's message through the chat template when there is one."""
         text = self.env.prompt(task)
         if self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None):
+            kw = {"tools": self.chat_tools} if self.chat_tools is not None else {}
             text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **kw
             )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -212,6 +226,8 @@ class StepRunner:
         (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut.
         In ``chat`` format the kept text is then wrapped in its own turn (the wrapper's ids come on
         top of ``max_obs_tokens``)."""
+        if self.turns_end_at_eos:  # the native protocol: the env rendered the tool turn (results cut) itself
+            return observation, list(self.tokenizer.encode(observation, add_special_tokens=False))
         before, after = self.obs_turn
         chat = self.cfg.obs_format == "chat"
         text, ids = self._fit_observation(observation.strip() if chat else observation)

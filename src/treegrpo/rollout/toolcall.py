@@ -255,3 +255,25 @@ def tool_turn_text(tokenizer: Any, results: list[dict[str, Any]], schemas: list[
             "appended turn by turn; use --chat-template chatml-tools or a template that supports tools"
         )
     return text
+
+
+def assistant_turn_text(tokenizer: Any, message: dict[str, Any], schemas: list[dict[str, Any]] | None) -> str:
+    """The text of ``message`` (an assistant turn, with or without ``tool_calls``) as the chat
+    template renders it after a generation prompt, through its end-of-turn token: exactly what a
+    model writing that turn generates (a warm-up demonstration's step in the native protocol).
+
+    Raises :class:`ConfigError` when the template renders the turn elsewhere than after the prompt
+    or writes no end-of-turn token after it."""
+    kw: dict[str, Any] = {"tools": schemas} if schemas else {}
+    user = [{"role": "user", "content": "Q"}]
+    head = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False, **kw)
+    full = tokenizer.apply_chat_template([*user, message], tokenize=False, **kw)
+    ends = end_of_turn_tokens(tokenizer)
+    body = full[len(head) :] if full.startswith(head) else None
+    cut = -1 if body is None else max((body.rfind(t) + len(t) for t in ends if t and t in body), default=-1)
+    if body is None or cut < 0:
+        raise ConfigError(
+            "this chat template does not render an assistant turn right after its generation prompt, ending at an "
+            "end-of-turn token; use --chat-template chatml-tools or a template that supports tools"
+        )
+    return body[:cut]

@@ -152,8 +152,9 @@ def make_env_object(obj: Any, ref: str) -> AgentEnv:
         raise ConfigError(f"--env {ref}: cannot be made without arguments ({e}); name a factory that takes none") from None
 
 
-def user_env(cfg: TrainConfig, user: UserObjects | None) -> AgentEnv:
-    """The run's env: the user's own (``--env`` / ``env=``), or a :class:`ToolEnv` of their tools and rewards."""
+def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None) -> AgentEnv:
+    """The run's env: the user's own (``--env`` / ``env=``), or a :class:`ToolEnv` of their tools and
+    rewards (the ``tools`` protocol renders through ``tokenizer``)."""
     user = user or UserObjects()
     env = user.env
     if env is None and cfg.env:
@@ -183,6 +184,8 @@ def user_env(cfg: TrainConfig, user: UserObjects | None) -> AgentEnv:
         protocol=cfg.protocol,
         prompt_template=template,
         timeout_s=cfg.tool_timeout_s,
+        tokenizer=tokenizer,
+        max_result_tokens=cfg.max_obs_tokens,
     )
 
 
@@ -207,7 +210,7 @@ def starting_model(cfg: TrainConfig) -> Path:
 def source(cfg: TrainConfig, model: LoadedModel, user: UserObjects | None = None, need_data: bool = True) -> TaskSource:
     """The user's env (:func:`user_env`) and rows (:func:`split_rows`); without ``need_data`` and
     without ``--data``, no training rows (and ``--eval-data``'s, if any, held out)."""
-    env = user_env(cfg, user)
+    env = user_env(cfg, user, model.tokenizer)
     if not need_data and not cfg.data:
         return TaskSource(env, [], load_rows_as_tasks(cfg.eval_data) if cfg.eval_data else [])
     train_tasks, eval_tasks = split_rows(cfg)

@@ -34,11 +34,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from treegrpo.envs.base import Task
+from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.envs.reward_fns import RewardSet
 from treegrpo.envs.search import SearchEnv, reward_options
+from treegrpo.envs.tool_env import ToolEnv
 from treegrpo.errors import ConfigError
 from treegrpo.io import jsonl_objects
 from treegrpo.models.loader import LoadedModel
+from treegrpo.retrieval.base import Retriever, format_passages
 from treegrpo.retrieval.factory import make_retriever
 from treegrpo.tasks.base import TaskFamily, TaskSource
 from treegrpo.tasks.wikiqa import NAME as WIKIQA
@@ -201,11 +204,37 @@ def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
     return tasks[:-k], tasks[-k:]
 
 
-def search_env(cfg: TrainConfig, tiny: bool) -> SearchEnv:
-    """The search env of ``cfg`` over its retriever; the prompt template defaults to ``minimal`` for
-    the tiny agent (``tiny``) and ``search_r1`` otherwise."""
-    template = cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if tiny else "search_r1")
+def search_tool(retriever: Retriever, topk: int) -> Callable[[str], str]:
+    """``search(query)`` over ``retriever`` as a plain tool: the top ``topk`` passages as Search-R1
+    shows them (``Doc i(Title: t) text``, one per line). A failing retriever is the tool's error,
+    which the model reads as its result."""
+
+    def search(query: str) -> str:
+        """Search the corpus for passages about a query.
+
+        Args:
+            query: what to look up, e.g. a name or a short question
+        """
+        hits = retriever.retrieve([query], topk)[0]
+        return format_passages(hits).strip() if hits else "No results."
+
+    return search
+
+
+def search_env(cfg: TrainConfig, tiny: bool, tokenizer: Any = None) -> AgentEnv:
+    """The search env of ``cfg`` over its retriever: Search-R1's tags (:class:`SearchEnv`; the
+    prompt template defaults to ``minimal`` for the tiny agent, ``tiny``, and ``search_r1``
+    otherwise), or with ``protocol: tools`` the model's own tool calling of :func:`search_tool`
+    (a :class:`~treegrpo.envs.tool_env.ToolEnv`)."""
     retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url, allow_offline=cfg.allow_offline_retriever)
+    if cfg.protocol == "tools":
+        if tiny:
+            raise ConfigError("protocol tools needs a chat model with a chat template; the tiny agent speaks the tags")
+        return ToolEnv(
+            [search_tool(retriever, cfg.topk)], rewards=RewardSet.of(list(cfg.reward), cfg.reward_weights),
+            protocol="tools", timeout_s=cfg.tool_timeout_s, tokenizer=tokenizer, max_result_tokens=cfg.max_obs_tokens,
+        )  # fmt: skip
+    template = cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if tiny else "search_r1")
     return SearchEnv(retriever, topk=cfg.topk, **reward_options(cfg.reward, cfg.reward_weights), prompt_template=template)
 
 
@@ -213,17 +242,21 @@ def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
     """The questions of ``cfg.data`` (:func:`split_tasks`) and a search env over the configured
     retriever (:func:`search_env`)."""
     tasks, eval_tasks = split_tasks(cfg)
-    return TaskSource(search_env(cfg, model.is_tiny), tasks, eval_tasks)
+    return TaskSource(search_env(cfg, model.is_tiny, model.tokenizer), tasks, eval_tasks)
 
 
 DATAFILE = TaskFamily("datafile", world_starting_model, source)
 
 
-def search_demos(tasks: Sequence[Task], env: SearchEnv) -> list[Demo]:
+def search_demos(tasks: Sequence[Task], env: AgentEnv) -> list[Demo]:
     """One protocol demonstration per question, for a warm-up of any model: search the question
     (a ``wiki-vital-qa`` question: its quoted clue), read the passages, answer with the first gold
     answer. Only questions whose observation contains that answer get a demo (each demo is true
-    to what it read); searches are batched into one retriever call."""
+    to what it read); searches are batched into one retriever call. In the native protocol (a
+    :class:`ToolEnv` of :func:`search_tool`) the same demos are written as the chat template
+    renders the model's turns."""
+    if isinstance(env, ToolEnv):
+        return _native_search_demos(tasks, env)
     queries = [search_query(t.question) for t in tasks]
     steps = [f"<think> I need to look this up. </think>\n<search> {q} </search>" for q in queries]
     outs = env.step(list(tasks), steps, [True] * len(tasks))
@@ -233,6 +266,18 @@ def search_demos(tasks: Sequence[Task], env: SearchEnv) -> list[Demo]:
         if out.observation and answer.lower() in out.observation.lower():
             final = f"<think> The passages name it: {answer}. </think>\n<answer> {answer} </answer>"
             demos.append(Demo(task, [(step, out.observation), (final, None)], "correct", 1.0))
+    return demos
+
+
+def _native_search_demos(tasks: Sequence[Task], env: ToolEnv) -> list[Demo]:
+    demos = []
+    for task in tasks:
+        (call,) = env.demo_steps(calls=[("search", {"query": search_query(task.question)})])
+        (out,) = env.step([task], [call], [True], messages=[[]])
+        answer = task.answers[0]
+        if out.kind == "tool" and answer.lower() in (out.observation or "").lower():
+            (final,) = env.demo_steps(answer=answer)
+            demos.append(Demo(task, [(call, out.observation), (final, None)], "correct", 1.0))
     return demos
 
 

@@ -52,20 +52,23 @@ def demo_rows(demos: Path | Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[s
     return list(demos), "demos"
 
 
-def step_text(env: AgentEnv, step: Any, where: str) -> str:
-    """A demo step as the env's protocol spells it (a string is taken as it is)."""
+def step_texts(env: AgentEnv, step: Any, where: str) -> list[str]:
+    """A demonstrated step as the env's protocol spells it (a string is taken as it is): one text,
+    or one per call where the protocol takes one call per step (the tag protocol)."""
     if isinstance(step, str):
-        return step
+        return [step]
     if not isinstance(step, Mapping):
         raise DataError(f"{where}: a step must be a string or an object with 'tool' or 'answer', got {type(step).__name__}")
-    spell = getattr(env, "demo_step", None)
+    spell = getattr(env, "demo_steps", None)
     if spell is None:
         raise DataError(f"{where}: {type(env).__name__} takes steps as strings (the step's text in its protocol)")
-    thought = step.get("thought", "")
+    thought = str(step.get("thought") or "")
     if "answer" in step:
         return spell(answer=str(step["answer"]), thought=thought)
     if "tool" in step:
-        return spell(tool=str(step["tool"]), arguments=step.get("arguments", {}), thought=thought)
+        return spell(calls=[(str(step["tool"]), step.get("arguments", {}))], thought=thought)
+    if "calls" in step:
+        return spell(calls=[(n, a) for n, a in step["calls"]], thought=thought)
     raise DataError(f"{where}: a step object needs 'tool' (with 'arguments') or 'answer'")
 
 
@@ -80,12 +83,8 @@ def _message_steps(messages: Any, where: str) -> tuple[str, list[Any]]:
     assistants = [m for m in messages if m.get("role") == "assistant"]
     for k, m in enumerate(assistants):
         thought = m.get("content") or ""
-        calls = m.get("tool_calls") or []
-        if not calls:
-            if k != len(assistants) - 1:
-                raise DataError(f"{where}: assistant message {k + 1} has no tool_calls but is not the last one")
-            steps.append({"answer": thought})
-        for call in calls:
+        calls = []
+        for call in m.get("tool_calls") or []:
             fn = call.get("function", call) if isinstance(call, Mapping) else None
             if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                 raise DataError(f"{where}: a tool call needs function.name and function.arguments")
@@ -95,8 +94,13 @@ def _message_steps(messages: Any, where: str) -> tuple[str, list[Any]]:
                     args = json.loads(args)
                 except json.JSONDecodeError:
                     raise DataError(f"{where}: the arguments of {fn['name']} are not JSON") from None
-            steps.append({"tool": fn["name"], "arguments": args, "thought": thought})
-            thought = ""
+            calls.append((fn["name"], args))
+        if calls:
+            steps.append({"calls": calls, "thought": thought})
+        elif k != len(assistants) - 1:
+            raise DataError(f"{where}: assistant message {k + 1} has no tool_calls but is not the last one")
+        else:
+            steps.append({"answer": thought})
     return users[0]["content"], steps
 
 
@@ -120,6 +124,8 @@ def run_demo(env: AgentEnv, task: Task, texts: Sequence[str], max_turns: int, wh
             (out,) = check_outcomes(env, env.step([task], [text], [j < max_turns], **kwargs), 1)
             messages += out.info.get("messages", [])
             if out.done:
+                if j >= max_turns and out.kind != "answer":
+                    raise DataError(f"{where}: {len(texts) - 1} tool steps, more than max_turns={max_turns}: raise max_turns")
                 if j != len(texts) - 1:
                     raise DataError(f"{where}: step {j + 1} ends the trajectory ({out.kind}) but {len(texts) - j - 1} more follow")
                 if out.kind != "answer":
@@ -161,9 +167,9 @@ def read_demos(env: AgentEnv, demos: Path | Sequence[Mapping[str, Any]], max_tur
             raise DataError(f"{where}: give 'messages' (a chat) or 'question' and 'steps'")
         record.setdefault("id", f"demo-{i - 1}")
         (task,) = rows_to_tasks([record], where)
-        texts = [step_text(env, s, f"{where}, step {k + 1}") for k, s in enumerate(steps)]
+        texts = [t for k, s in enumerate(steps) for t in step_texts(env, s, f"{where}, step {k + 1}")]
         out.append(run_demo(env, task, texts, max_turns, where))
     return out
 
 
-__all__ = ["read_demos", "run_demo", "step_text"]
+__all__ = ["read_demos", "run_demo", "step_texts"]

@@ -68,7 +68,7 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     (transformers' ``gradient_checkpointing_enable``, non-reentrant; ``activation_checkpointing_enable``
     as transformers >= 5.x names it) when asked, wrapped with a LoRA adapter (peft) when
     ``cfg.lora_rank > 0``. (``auto`` fields unresolved by
-    :func:`~treegrpo.training.config.resolve_model_defaults` count as off.)"""
+    :func:`~treegrpo.training.defaults.resolve_model_defaults` count as off.)"""
     if cfg.gradient_checkpointing is True:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

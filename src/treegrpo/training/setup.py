@@ -21,10 +21,12 @@ from treegrpo.envs.search import SearchEnv
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import MARKER_FILE, LoadedModel, load_pretrained
 from treegrpo.rollout.agent import AgentConfig
+from treegrpo.rollout.templates import set_chat_template
 from treegrpo.tasks.custom import CUSTOM, UserObjects
 from treegrpo.tasks.custom import source as custom_source
 from treegrpo.tasks.registry import task_family
-from treegrpo.training.config import REAL_LIMITS, TINY_LIMITS, TrainConfig
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.defaults import REAL_LIMITS, TINY_LIMITS
 from treegrpo.training.warmup import WARMUP_RECORD
 
 
@@ -51,8 +53,8 @@ def agent_config(
 ) -> AgentConfig:
     """The agent loop's limits: fields the user set win; otherwise the limits the model's folder
     was taught with (``recorded``: a tiny agent's bootstrap, a warm-up record), then the config
-    defaults, where ``auto`` is the model kind's (:data:`~treegrpo.training.config.TINY_LIMITS` for
-    a tiny agent, :data:`~treegrpo.training.config.REAL_LIMITS` for a real model). The context
+    defaults, where ``auto`` is the model kind's (:data:`~treegrpo.training.defaults.TINY_LIMITS` for
+    a tiny agent, :data:`~treegrpo.training.defaults.REAL_LIMITS` for a real model). The context
     never exceeds what the model can position (``max_positions``)."""
     recorded = recorded or {}
     kind = TINY_LIMITS if tiny else REAL_LIMITS
@@ -88,6 +90,8 @@ def build_run(
         if model_dir is None:
             model_dir = family.starting_model(cfg) if cfg.model is None else Path(cfg.model)
         loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
+    if cfg.chat_template:  # the template the run renders prompts and tool turns with (saved with checkpoints)
+        set_chat_template(loaded.tokenizer, cfg.chat_template)
     if family is CUSTOM:
         src = custom_source(cfg, loaded, user, need_data)
     else:

@@ -35,7 +35,8 @@ from treegrpo.training.checkpoint import (
     resume_config,
     resumed_run,
 )
-from treegrpo.training.config import AUTO_LIMITS, TrainConfig, resolve_model_defaults, warn_single_leaf_groups
+from treegrpo.training.config import TrainConfig
+from treegrpo.training.defaults import AUTO_LIMITS, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.training.distributed import Parallel, QuietLogger, shard
 from treegrpo.training.evaluate import evaluate, headline
 from treegrpo.training.memory import return_freed_memory
@@ -155,8 +156,9 @@ def train(
     engine = make_engine(cfg.engine, policy.rollout_module(), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
     label = eval_label(parts.env)  # held-out "success" (0/1 rewards) or "reward"
-    if runner.context_note:  # the engine's max_model_len is below the context budget
-        console.print(runner.context_note)
+    for note in (runner.context_note, runner.template_note):  # a capped context, a re-rendering template
+        if note:
+            console.print(note)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
         cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score

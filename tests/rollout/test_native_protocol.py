@@ -1,0 +1,158 @@
+"""The native tool protocol through the agent loop (ToolEnv protocol="tools"): on three templates
+(chatml-tools for SmolLM2, a Qwen2.5-style one, a Llama-3.1-style one), with the chain and tree
+samplers, the ids of every root→leaf path are token for token the template's rendering of that
+path's conversation; bad calls are data; a turn ends at the end-of-turn token (no stop strings)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from templating import templated
+from treegrpo.envs.base import Task
+from treegrpo.envs.tool_env import ToolEnv
+from treegrpo.models.loader import load_tokenizer
+from treegrpo.rollout.agent import AgentConfig, StepRunner
+from treegrpo.rollout.engine import Generation
+from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+from treegrpo.rollout.templates import BUILTIN_TEMPLATES
+from treegrpo.rollout.toolcall import ToolCall, assistant_message, assistant_turn_text
+from treegrpo.training.warmup import Demo, encode_demo
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+TASK = Task("q0", "What is 2 + 3, and 4 + 5?", ["5, 9"], meta={"answer": "5, 9"})
+
+
+class ScriptedEngine:
+    """Writes turns as the template renders them: ``calls`` while the context holds no tool
+    result yet, then the answer."""
+
+    def __init__(self, tok: Any, env: ToolEnv, calls: list[ToolCall]) -> None:
+        schemas = env.tool_schemas
+        self.tok = tok
+        self.call_ids = tok.encode(assistant_turn_text(tok, assistant_message("I add.", calls), schemas), add_special_tokens=False)
+        self.answer_ids = tok.encode(assistant_turn_text(tok, {"role": "assistant", "content": "5, 9"}, schemas), add_special_tokens=False)
+        self.requests: list[Any] = []
+
+    def generate(self, contexts: Any, params: Any, generator: Any = None) -> list[Generation]:
+        self.requests.append(params)
+        out = []
+        for c in contexts:
+            ids = self.answer_ids if "RESULT" in self.tok.decode(c) or "9" in self.tok.decode(c[-40:]) else self.call_ids
+            out.append(Generation(tokens=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=len(c)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_2layer_dir: Path) -> Any:
+    return load_tokenizer(smollm2_2layer_dir)
+
+
+def setup(smollm2: Any, name: str, calls: list[ToolCall]) -> tuple[Any, ToolEnv, StepRunner, ScriptedEngine]:
+    tok = templated(smollm2, name)
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=tok)
+    engine = ScriptedEngine(tok, env, calls)
+    runner = StepRunner(engine, env, tok, AgentConfig(max_turns=3, max_step_tokens=128, max_context_tokens=4096))  # type: ignore[arg-type]
+    return tok, env, runner, engine
+
+
+TWO_CALLS = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 4, "b": 5})]
+
+
+@pytest.mark.parametrize("sampler", ["chain", "tree"])
+@pytest.mark.parametrize("name", BUILTIN_TEMPLATES)
+def test_every_path_is_the_templates_rendering_of_its_conversation(smollm2: Any, name: str, sampler: str) -> None:
+    tok, env, runner, engine = setup(smollm2, name, TWO_CALLS)
+    cfg = SamplerConfig("chain", group_size=2) if sampler == "chain" else SamplerConfig("tree", m=1, n=2, l=1)
+    result = get_sampler(sampler)(runner, [TASK], cfg, random.Random(0), torch.Generator().manual_seed(0))
+    (forest,) = result.forests
+    leaves = forest.leaves()
+    assert len(leaves) == (2 if sampler == "chain" else 3)
+    mismatches = 0
+    for ti, leaf in leaves:
+        path = forest.trees[ti].path(leaf.id)
+        ids = [t for n in path for t in n.tokens]
+        messages = [{"role": "user", "content": env.prompt(TASK)}] + [m for n in path[1:] for m in n.extra["messages"]]
+        rendered = tok.encode(tok.apply_chat_template(messages, tools=env.tool_schemas, tokenize=False), add_special_tokens=False)
+        mismatches += sum(a != b for a, b in zip(ids, rendered, strict=False)) + abs(len(ids) - len(rendered))
+        assert leaf.extra["kind"] == "answer" and leaf.reward == 1.0
+        assert path[1].extra["kind"] == "tool" and [m["content"] for m in path[1].extra["messages"][1:]] == ["5", "9"]
+        assert sum(n.policy_mask.count(0) for n in path[1:]) == len(path[1].tokens) - len(engine.call_ids)  # the tool turn, masked
+    assert mismatches == 0
+    assert result.total().tool_calls == 2 * sum(n.extra.get("kind") == "tool" for t in forest.trees for n in t.nodes)  # one per call
+    (params,) = set(engine.requests)
+    assert params.stop_strings == () and set(params.stop_token_ids) >= {tok.convert_tokens_to_ids(
+        "<|eot_id|>" if name == "llama3.1" else "<|im_end|>")}  # the turn ends at the end-of-turn token
+
+
+@pytest.mark.parametrize(
+    ("turn", "error"),
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 2}\n</tool_call><|im_end|>', "invalid JSON"),
+        ('<tool_call>\n{"name": "mul", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>', "there is no tool 'mul'"),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>', "add needs the argument b"),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": "x", "b": 3}}\n</tool_call><|im_end|>', "argument a of add must be integer"),
+    ],
+)
+def test_bad_calls_get_an_error_result_and_the_run_goes_on(smollm2: Any, turn: str, error: str) -> None:
+    tok = templated(smollm2, "chatml-tools")
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=tok)
+    (out,) = env.step([TASK], [turn], [True], messages=[[]])
+    assert out.kind == "invalid" and not out.done and error in out.info["tool_error"]
+    assert out.observation.startswith("\n<|im_start|>tool\nError: ") and out.observation.endswith("<|im_start|>assistant\n")
+
+
+def test_a_turn_without_a_call_answers_and_a_cut_turn_ends(smollm2: Any) -> None:
+    tok = templated(smollm2, "chatml-tools")
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=tok)
+    answer, cut = env.step([TASK, TASK], ["5, 9<|im_end|>", '<tool_call>\n{"name": "add", "argu'], [True, True], messages=[[], []])
+    assert (answer.kind, answer.done, answer.reward, answer.info["answer"]) == ("answer", True, 1.0, "5, 9")
+    assert (cut.kind, cut.done, cut.reward) == ("invalid", True, 0.0) and cut.info["cut"]
+
+
+def test_long_results_are_cut_inside_the_template(smollm2: Any) -> None:
+    tok = templated(smollm2, "chatml-tools")
+
+    def big(n: int) -> str:
+        """A long text.
+
+        Args:
+            n: words
+        """
+        return " ".join(["word"] * n)
+
+    env = ToolEnv([big], rewards=["em"], protocol="tools", tokenizer=tok, max_result_tokens=10)
+    (out,) = env.step([TASK], ['<tool_call>\n{"name": "big", "arguments": {"n": 500}}\n</tool_call><|im_end|>'], [True], messages=[[]])
+    content = out.info["messages"][1]["content"]
+    assert content.endswith(" …") and len(tok.encode(content[:-2], add_special_tokens=False)) <= 10
+    assert out.observation.endswith("<|im_end|>\n<|im_start|>assistant\n")  # the template's structure kept
+
+
+def test_a_native_demo_encodes_as_the_loop_holds_it(smollm2: Any) -> None:
+    """A warm-up demonstration in the native protocol: its ids are the template's rendering, and
+    its turns end with the end-of-turn token, trained on (the model learns to stop by itself)."""
+    tok, env, runner, engine = setup(smollm2, "chatml-tools", TWO_CALLS)
+    (call_text,) = env.demo_steps(calls=[("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})], thought="I add.")
+    (answer_text,) = env.demo_steps(answer="5, 9")
+    assert tok.encode(call_text, add_special_tokens=False) == engine.call_ids and call_text.endswith("<|im_end|>")
+    (out,) = env.step([TASK], [call_text], [True], messages=[[]])
+    enc = encode_demo(runner, Demo(TASK, [(call_text, out.observation), (answer_text, None)], "demo", 1.0))
+    messages = [{"role": "user", "content": env.prompt(TASK)}, *out.info["messages"], {"role": "assistant", "content": "5, 9"}]
+    assert enc.ids == tok.encode(tok.apply_chat_template(messages, tools=env.tool_schemas, tokenize=False), add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    trained = [t for t, m in zip(enc.ids, enc.policy_mask, strict=True) if m]
+    assert trained.count(eos) == 2 and trained[-1] == eos  # both turns end by themselves
