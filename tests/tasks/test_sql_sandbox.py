@@ -241,14 +241,20 @@ STATEMENT = st.one_of(
 )
 
 
+def _within_bound(sql: str) -> tuple[str, bool]:
+    """Run ``sql`` in a fresh sandbox (``wall_s`` = WALL_S); it must end within BOUND_S of CPU."""
+    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
+    text, ok, cpu = _timed(db, sql)
+    db.close()
+    assert isinstance(text, str) and isinstance(ok, bool)
+    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
+    return text, ok
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sql=STATEMENT)
 def test_no_statement_runs_longer_than_the_bound(sql: str) -> None:
-    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
-    text, ok, cpu = _timed(db, sql)
-    assert isinstance(text, str) and isinstance(ok, bool)
-    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
-    db.close()
+    _within_bound(sql)
 
 
 # -- pattern matching and prepare-time expansion --------------------------------------------------
@@ -394,11 +400,7 @@ BOMB = st.one_of(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sql=st.one_of(PATTERN_STATEMENT, BOMB))
 def test_no_pattern_match_or_prepare_runs_longer_than_the_bound(sql: str) -> None:
-    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
-    text, ok, cpu = _timed(db, sql)
-    assert isinstance(text, str) and isinstance(ok, bool)
-    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
-    db.close()
+    _within_bound(sql)
 
 
 WORST_ROWS = [  # one row of the most costly matches that fit: the loop iteration the bound allows for
@@ -419,7 +421,4 @@ WORST_ROWS = [  # one row of the most costly matches that fit: the loop iteratio
 
 @pytest.mark.parametrize("sql", WORST_ROWS)
 def test_the_costliest_rows_end_within_the_bound(sql: str) -> None:
-    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
-    text, ok, cpu = _timed(db, sql)
-    assert (text, ok) == ("error: statement stopped: step limit", False)
-    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
+    assert _within_bound(sql) == ("error: statement stopped: step limit", False)
