@@ -64,3 +64,45 @@ def test_bad_gigpo_options_are_one_line(tmp_path: Path, args: list[str], needle:
     f = write(tmp_path / "f.jsonl", [FOREST])
     res = invoke("-e", "gigpo", *args, str(f))
     assert res.exit_code == 2 and needle in res.output and len(res.output.strip().splitlines()) == 1
+
+
+TWO_PATHS: dict = {
+    "format": "treegrpo.forest/v1",
+    "prompt_id": "q-2",
+    "trees": [
+        {
+            "nodes": [
+                {"id": 0, "parent": None, "text": "Q"},
+                {"id": 1, "parent": 0, "text": "<search>a</search>", "observation": "<information>i</information>"},
+                {"id": 2, "parent": 1, "text": "<answer>y</answer>", "reward": 1.0},
+            ]
+        },
+        {
+            "nodes": [
+                {"id": 0, "parent": None, "text": "Q"},
+                {"id": 1, "parent": 0, "text": "<search>b</search>", "observation": "<information>i</information>"},
+                {"id": 2, "parent": 1, "text": "<answer>z</answer>", "reward": 0.0},
+            ]
+        },
+    ],
+}
+
+
+def test_the_anchor_option(tmp_path: Path) -> None:
+    """Two searches that get the same reply: one anchor group under the default (the observation),
+    two under --anchor context (different histories)."""
+    f = write(tmp_path / "f.jsonl", [TWO_PATHS])
+    sizes = {}
+    for args in ([], ["--anchor", "observation"], ["--anchor", "context"], ["--anchor", "state"]):
+        res = invoke("-e", "gigpo", "--gamma", "0.5", *args, str(f))
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        sizes[tuple(args)] = [t["nodes"][2]["anchor_size"] for t in doc["trees"]]
+        adv = advantages_of(doc)
+        # E = ±.5; second steps G [1, 0]: S = ±.5 when they share a group, else 0
+        expected = 1.0 if sizes[tuple(args)] == [2, 2] else 0.5
+        assert adv[(0, 2)] == pytest.approx(expected, abs=1e-9) and adv[(1, 2)] == pytest.approx(-expected, abs=1e-9)
+    assert sizes[()] == sizes[("--anchor", "observation")] == [2, 2]
+    assert sizes[("--anchor", "context")] == sizes[("--anchor", "state")] == [1, 1]  # no state keys: the context
+    res = invoke("-e", "gigpo", "--anchor", "history", str(f))
+    assert res.exit_code == 2 and "anchor must be one of" in res.output and len(res.output.strip().splitlines()) == 1

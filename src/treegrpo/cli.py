@@ -31,11 +31,16 @@ def advantages_cmd(
     scale: str = typer.Option(
         "std", "--scale", help="std: divide by the group std; none: mean only (Dr. GRPO)."
     ),
-    gamma: float = typer.Option(0.95, "--gamma", help="gigpo, tree_gigpo: discount of the step returns."),
+    gamma: float = typer.Option(
+        0.95, "--gamma", help="gigpo, tree_gigpo: discount of the step returns (verl-agent's GiGPO scripts: 0.95)."
+    ),
     step_advantage_w: float = typer.Option(1.0, "--step-advantage-w", help="gigpo, tree_gigpo: weight of the step term."),
     mode: str = typer.Option("mean_norm", "--mode", help="gigpo, tree_gigpo: mean_norm | mean_std_norm."),
+    anchor: str = typer.Option(
+        "observation", "--anchor", help="gigpo, tree_gigpo: observation (verl-agent's) | context | state."
+    ),
     enable_similarity: bool = typer.Option(
-        False, "--enable-similarity", help="gigpo, tree_gigpo: group similar observations, not identical states."
+        False, "--enable-similarity", help="gigpo, tree_gigpo: group similar anchors, not equal ones."
     ),
     similarity_thresh: float = typer.Option(0.95, "--similarity-thresh", help="gigpo: difflib ratio, in (0, 1)."),
     out: Path | None = typer.Option(
@@ -62,6 +67,7 @@ def advantages_cmd(
             mode=mode,  # type: ignore[arg-type]
             enable_similarity=enable_similarity,
             similarity_thresh=similarity_thresh,
+            anchor=anchor,  # type: ignore[arg-type]
         )
     except ValueError as e:
         fail(str(e))
@@ -106,7 +112,7 @@ def train_cmd(
     fork_score: str | None = typer.Option(None, help="EPTree: logp | entropy | random."),
     group_size: int | None = typer.Option(None, help="Chain: chains per prompt (G)."),
     expand_mode: str | None = typer.Option(None, help="random | nonroot | entropy."),
-    advantage: str | None = typer.Option(None, help="Advantage estimator (grpo, tree_grpo, intra_only, inter_only, treerl, gigpo, tree_gigpo; GiGPO's options: --set gamma=, step_advantage_w=, gigpo_mode=, enable_similarity=, similarity_thresh=)."),
+    advantage: str | None = typer.Option(None, help="Advantage estimator (grpo, tree_grpo, intra_only, inter_only, treerl, gigpo, tree_gigpo; GiGPO's options: --set gamma=, step_advantage_w=, gigpo_mode=, gigpo_anchor=, enable_similarity=, similarity_thresh=)."),
     steps: int | None = typer.Option(None, help="RL steps."),
     prompts_per_step: int | None = typer.Option(None, help="Prompts per step."),
     lr: float | None = typer.Option(None, help="Learning rate."),

@@ -1,6 +1,7 @@
 """GiGPO (``gigpo``, ``tree_gigpo``): hand-derived values on a small chain group and a small tree,
-anchor keys (token ids, texts, a stateful env's state), similarity grouping, the annotations the
-viewer shows, the shared-anchor diagnostic, and that the other estimators are unchanged."""
+the three anchors (the observation, the context, a stateful env's state; with and without token
+ids and texts), similarity grouping, the annotations the viewer shows, the shared-anchor
+diagnostic, and that the other estimators are unchanged."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from treegrpo.algos import (
     shared_anchor_stats,
     token_advantages,
 )
-from treegrpo.algos.gigpo import anchor_keys, gigpo_rows
+from treegrpo.algos.gigpo import anchor_values, gigpo_rows
 from treegrpo.tree import Forest, Node, Tree
 
 TOL = 1e-9
@@ -161,22 +162,59 @@ def test_annotations_and_diagnostic() -> None:
     assert not any("anchor_group" in n.extra or "anchor_size" in n.extra for t in f.trees for n in t.nodes)
 
 
-def test_text_keys_without_token_ids() -> None:
-    """A forest file without ids: the texts and observations root→parent are the state."""
-    f = chain_group()
+def two_paths_one_observation(**extra: object) -> Forest:
+    """A: a1 (5 → obs 6), a2 answer r=1 · B: b1 (7 → obs 6), b2 answer r=0: the second steps see
+    the same observation "o6" after different actions (different contexts)."""
+    return Forest(
+        "p",
+        [
+            Tree([root(), step(1, 0, 5, 6, **extra), step(2, 1, 3, None, 1.0)]),
+            Tree([root(), step(1, 0, 7, 6, **extra), step(2, 1, 4, None, 0.0)]),
+        ],
+    )
+
+
+def test_the_observation_anchor_groups_different_paths_to_one_observation() -> None:
+    # rows (R, G), gamma .5: a1 (1, .5) a2 (1, 1) b1 (0, 0) b2 (0, 0); E: mean .5, so ±.5
+    # first steps share the prompt: G [.5, 0], S = ±.25; observation o6: G [1, 0], S = ±.5
+    f = two_paths_one_observation()
+    adv = ADVANTAGE_ESTIMATORS["gigpo"](f, AdvantageConfig(gamma=0.5))
+    expected = {(0, 1): 0.75, (0, 2): 1.0, (1, 1): -0.75, (1, 2): -1.0}
+    assert adv.keys() == expected.keys() and all(abs(adv[k] - v) < TOL for k, v in expected.items())
+    # the context anchor: the second steps' histories differ, each alone (S = 0)
+    adv = ADVANTAGE_ESTIMATORS["gigpo"](f, AdvantageConfig(gamma=0.5, anchor="context"))
+    expected = {(0, 1): 0.75, (0, 2): 0.5, (1, 1): -0.75, (1, 2): -0.5}
+    assert all(abs(adv[k] - v) < TOL for k, v in expected.items())
+
+
+def test_anchor_values_by_hand() -> None:
+    f = two_paths_one_observation()
+    obs, ctx, state = (anchor_values(f, a) for a in ("observation", "context", "state"))
+    assert obs == {(0, 1): "Q", (0, 2): "o6", (1, 1): "Q", (1, 2): "o6"}
+    assert ctx == {(0, 1): (1, 2), (0, 2): (1, 2, 5, 6), (1, 1): (1, 2), (1, 2): (1, 2, 7, 6)}
+    assert state == ctx  # no state keys recorded: the context
+    # without texts: the same observations as token ids (the parent's observation ids, the prompt's)
     for t in f.trees:
         for n in t.nodes:
+            n.text, n.observation = "", None
+    assert anchor_values(f, "observation") == {(0, 1): (1, 2), (0, 2): (6,), (1, 1): (1, 2), (1, 2): (6,)}
+    # without token ids: the context as text, the observations as they were
+    g = two_paths_one_observation()
+    for t in g.trees:
+        for n in t.nodes:
             n.tokens, n.policy_mask = [], []
-    keys = anchor_keys(f)
-    assert keys[(0, 1)] == keys[(3, 1)] == ("text", (("Q", None),))
-    assert keys[(0, 2)] == keys[(1, 2)] != keys[(3, 2)]
-    with_ids = ADVANTAGE_ESTIMATORS["gigpo"](chain_group(), AdvantageConfig())
-    without = ADVANTAGE_ESTIMATORS["gigpo"](f, AdvantageConfig())
+    assert anchor_values(g, "context") == {(0, 1): "Q", (0, 2): "Qt5o6", (1, 1): "Q", (1, 2): "Qt7o6"}
+    assert anchor_values(g, "observation") == obs
+    with_ids = ADVANTAGE_ESTIMATORS["gigpo"](two_paths_one_observation(), AdvantageConfig(anchor="context"))
+    without = ADVANTAGE_ESTIMATORS["gigpo"](g, AdvantageConfig(anchor="context"))
     assert all(abs(with_ids[k] - without[k]) < TOL for k in with_ids)
+    with pytest.raises(ValueError, match="anchor"):
+        anchor_values(f, "history")  # type: ignore[arg-type]
 
 
 def test_state_keys_group_different_contexts() -> None:
-    """A stateful env's key: steps after different actions that reach the same state group."""
+    """A stateful env's key (``anchor="state"``): steps after different actions that reach the same
+    state group, whatever their observations."""
     f = Forest(
         "p",
         [
@@ -184,14 +222,18 @@ def test_state_keys_group_different_contexts() -> None:
             Tree([root(state_key="db0"), step(1, 0, 7, 8, state_key="db1"), step(2, 1, 4, None, 0.0)]),
         ],
     )
-    keys = anchor_keys(f)
-    assert keys[(0, 2)] == keys[(1, 2)] == ("state", "db1") and keys[(0, 1)] == ("state", "db0")
-    adv = ADVANTAGE_ESTIMATORS["gigpo"](f, AdvantageConfig(gamma=0.5))
+    keys = anchor_values(f, "state")
+    assert keys[(0, 2)] == keys[(1, 2)] == "db1" and keys[(0, 1)] == "db0"
+    cfg = AdvantageConfig(gamma=0.5, anchor="state")
+    adv = ADVANTAGE_ESTIMATORS["gigpo"](f, cfg)
     # E: rows R = [1, 1, 0, 0]: ±.5; prompt group G = [.5, 0]: ±.25; state db1 group G = [1, 0]: ±.5
     assert abs(adv[(0, 1)] - 0.75) < TOL and abs(adv[(0, 2)] - 1.0) < TOL
     assert abs(adv[(1, 1)] + 0.75) < TOL and abs(adv[(1, 2)] + 1.0) < TOL
-    f.trees[1].node(1).extra["state_key"] = "db2"  # another state: both second steps alone, S = 0
+    # the observations differ (o6, o8): under the default anchor the second steps are alone, S = 0
     adv = ADVANTAGE_ESTIMATORS["gigpo"](f, AdvantageConfig(gamma=0.5))
+    assert abs(adv[(0, 2)] - 0.5) < TOL and abs(adv[(1, 2)] + 0.5) < TOL
+    f.trees[1].node(1).extra["state_key"] = "db2"  # another state: both second steps alone, S = 0
+    adv = ADVANTAGE_ESTIMATORS["gigpo"](f, cfg)
     assert abs(adv[(0, 2)] - 0.5) < TOL and abs(adv[(1, 2)] + 0.5) < TOL
 
 
@@ -228,7 +270,13 @@ def test_all_equal_and_single_trajectory() -> None:
 
 
 def test_config_validation() -> None:
-    for bad in ({"mode": "std"}, {"gamma": 1.5}, {"similarity_thresh": 1.0}, {"step_advantage_w": math.inf}):
+    for bad in (
+        {"mode": "std"},
+        {"gamma": 1.5},
+        {"similarity_thresh": 1.0},
+        {"step_advantage_w": math.inf},
+        {"anchor": "history"},
+    ):
         with pytest.raises(ValueError):
             AdvantageConfig(**bad)  # type: ignore[arg-type]
 
@@ -239,6 +287,6 @@ def test_other_estimators_unchanged_by_gigpo_fields() -> None:
     for name in ("grpo", "tree_grpo", "intra_only", "inter_only", "treerl"):
         a = ADVANTAGE_ESTIMATORS[name](f, AdvantageConfig())
         b = ADVANTAGE_ESTIMATORS[name](
-            f, AdvantageConfig(gamma=0.1, step_advantage_w=5.0, mode="mean_std_norm")
+            f, AdvantageConfig(gamma=0.1, step_advantage_w=5.0, mode="mean_std_norm", anchor="state")
         )
         assert a == b, name

@@ -2,7 +2,10 @@
 verl-agent's ``compute_gigpo_outcome_advantage`` (:mod:`gigpo_reference`), to 1e-6, on 200 seeded
 random batches per (mode, similarity) combination — singleton episode and step groups, all-equal
 rewards, intermediate step rewards and shuffled rows included — and on random chain and tree
-forests flattened into verl-agent's step rows."""
+forests flattened into verl-agent's step rows, where the test builds each row's ``anchor_obs``
+itself from the raw forest (the observation the step acts on: the prompt, or the previous step's
+observation), as verl-agent's env manager records it, and the reference groups those strings.
+Similarity grouping at a threshold close to 1 is exact grouping, under every anchor."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 from gigpo_reference import ref_build_step_group, ref_discounted_returns, ref_gigpo
 
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator
-from treegrpo.algos.gigpo import anchor_keys, anchor_texts, discounted_returns, gigpo_rows, step_groups
+from treegrpo.algos.gigpo import discounted_returns, gigpo_rows, step_groups
 from treegrpo.tree import Forest, Node, Tree
 
 TOL = 1e-6
@@ -164,25 +167,24 @@ def random_forest(seed: int, chains: bool) -> Forest:
 
 
 def _reference_on_forest(forest: Forest, cfg: AdvantageConfig) -> dict[tuple[int, int], float]:
-    """verl-agent's rows for ``forest`` (one per (path, node)), scored by the reference, averaged
-    per node."""
-    keys = (
-        anchor_texts(forest)
-        if cfg.enable_similarity
-        else {k: repr(v) for k, v in anchor_keys(forest).items()}
-    )
-    rows, rewards, trajs, episode = [], [], [], []
+    """verl-agent's rows for ``forest`` (one per (path, node)), each with the raw observation its
+    step acts on as ``anchor_obs`` (the prompt for a first step, else the previous step's
+    observation: verl-agent's ``anchor``, the current observation without history), scored by the
+    reference, averaged per node."""
+    rows, rewards, trajs, episode, anchor_obs = [], [], [], [], []
     for ti, leaf in forest.leaves():
-        path = forest.trees[ti].path(leaf.id)[1:]
+        tree = forest.trees[ti]
+        path = tree.path(leaf.id)[1:]
         for d, node in enumerate(path, start=1):
             rows.append((ti, node.id))
             rewards.append(float(leaf.reward) if d == len(path) else 0.0)
             trajs.append(f"{ti}-{leaf.id}")
             episode.append(float(leaf.reward))
+            anchor_obs.append(tree.root.text if d == 1 else path[d - 2].observation)
     tlr = torch.tensor(episode, dtype=torch.float64).unsqueeze(-1)
     returns = ref_discounted_returns(np.array(rewards), np.array(trajs), cfg.gamma)
     adv, _ = ref_gigpo(
-        tlr, returns, torch.ones_like(tlr), _obj([keys[r] for r in rows]), np.array(["p"] * len(rows)),
+        tlr, returns, torch.ones_like(tlr), _obj(anchor_obs), np.array(["p"] * len(rows)),
         step_advantage_w=cfg.step_advantage_w, mode=cfg.mode, enable_similarity=cfg.enable_similarity,
         similarity_thresh=cfg.similarity_thresh,
     )  # fmt: skip
@@ -200,8 +202,46 @@ def test_forest_matches_verl_agent_rows(seed: int, chains: bool) -> None:
         cfg = AdvantageConfig(
             mode=mode, enable_similarity=sim, similarity_thresh=0.8, gamma=0.9, step_advantage_w=0.7
         )
+        assert cfg.anchor == "observation"  # the default: verl-agent's
         ours = get_advantage_estimator("gigpo")(forest, cfg)
         ref = _reference_on_forest(forest, cfg)
         assert ours.keys() == ref.keys()
         for k, v in ref.items():
             assert abs(ours[k] - v) <= TOL, (k, mode, sim)
+
+
+def test_forests_share_observations_across_paths() -> None:
+    """The random forests hold steps that see one observation after different histories (so the
+    test above tells an observation anchor from a context anchor)."""
+    shared = 0
+    for seed in range(50):
+        for chains in (True, False):
+            f = random_forest(seed, chains)
+            obs = get_advantage_estimator("gigpo")(f, AdvantageConfig(gamma=0.9))
+            ctx = get_advantage_estimator("gigpo")(f, AdvantageConfig(gamma=0.9, anchor="context"))
+            shared += any(abs(obs[k] - ctx[k]) > 1e-6 for k in obs)
+    assert shared >= 30, shared
+
+
+@pytest.mark.parametrize("anchor", ["observation", "context", "state"])
+@pytest.mark.parametrize("chains", [True, False], ids=["chains", "trees"])
+def test_similarity_near_one_is_exact_grouping(anchor: str, chains: bool) -> None:
+    """A difflib ratio is 1 only for equal sequences and at most 1 - 1/(len a + len b) otherwise, so
+    a threshold of 1 - 1e-9 groups exactly the equal anchors."""
+    for seed in range(50):
+        f = random_forest(seed, chains)
+        if seed % 2:  # some forests without token ids: text anchors
+            for t in f.trees:
+                for n in t.nodes:
+                    n.tokens, n.policy_mask = [], []
+        for i, t in enumerate(f.trees):  # state keys on some nodes, shared across trees
+            for n in t.nodes:
+                if (n.id + i + seed) % 3 == 0:
+                    n.extra["state_key"] = f"db{n.id % 2}"
+        for est in ("gigpo", "tree_gigpo"):
+            exact = get_advantage_estimator(est)(f, AdvantageConfig(anchor=anchor, gamma=0.9))  # type: ignore[arg-type]
+            near = get_advantage_estimator(est)(
+                f, AdvantageConfig(anchor=anchor, gamma=0.9, enable_similarity=True, similarity_thresh=1 - 1e-9)  # type: ignore[arg-type]
+            )
+            assert exact.keys() == near.keys()
+            assert all(abs(exact[k] - near[k]) < 1e-12 for k in exact), (seed, est)

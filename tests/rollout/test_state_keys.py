@@ -10,13 +10,15 @@ from typing import Any
 import pytest
 
 from treegrpo.algos import AdvantageConfig, shared_anchor_stats
-from treegrpo.algos.gigpo import anchor_keys
+from treegrpo.algos.gigpo import anchor_values
 from treegrpo.benchmarks.stateful_exact import grow, random_sql_action
 from treegrpo.envs.state import state_key
 from treegrpo.tasks.sql.env import SqlEnv
 from treegrpo.tasks.sql.problems import SqlConfig, build_problems
 
 TASKS = build_problems(SqlConfig(n_warmup=1, n_train=6, n_eval=1)).tasks("train")
+
+STATE = AdvantageConfig(anchor="state")
 
 
 def _replayed_key(env: SqlEnv, task: Any, texts: list[str]) -> str:
@@ -50,19 +52,21 @@ def test_keys_are_the_same_in_every_mode_and_group_steps() -> None:
     keys = {}
     for mode in ("snapshot", "replay"):
         res = grow(SqlEnv(mode), TASKS, random_sql_action, (2, 2, 1), seed=5, max_turns=4)
-        keys[mode] = [anchor_keys(f) for f in res.forests]
-        stats = shared_anchor_stats(res.forests)
+        keys[mode] = [anchor_values(f, "state") for f in res.forests]
+        stats = shared_anchor_stats(res.forests, STATE)
         assert stats["shared_frac"] > 0.5  # first steps share the start; siblings their parent's state
     assert keys["snapshot"] == keys["replay"]
-    assert all(k[0] == "state" for ks in keys["snapshot"] for k in ks.values())
+    assert all(isinstance(k, str) for ks in keys["snapshot"] for k in ks.values())  # every one a state key
     # reads change nothing: steps after different statements can share a database state
     res = grow(SqlEnv("snapshot"), TASKS, random_sql_action, (4, 0, 0), seed=1, max_turns=4)
-    by_state = shared_anchor_stats(res.forests, AdvantageConfig())
-    for f in res.forests:  # the same forests keyed by their token contexts instead
+    by_state = shared_anchor_stats(res.forests, STATE)
+    by_context = shared_anchor_stats(res.forests, AdvantageConfig(anchor="context"))
+    assert by_state["shared_frac"] >= by_context["shared_frac"]
+    for f in res.forests:  # without the keys, the state anchor is the context
         for t in f.trees:
             for n in t.nodes:
                 n.extra.pop("state_key", None)
-    assert by_state["shared_frac"] >= shared_anchor_stats(res.forests)["shared_frac"]
+    assert shared_anchor_stats(res.forests, STATE) == by_context
 
 
 def test_state_key_hook() -> None:

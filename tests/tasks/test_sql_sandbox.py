@@ -1,11 +1,18 @@
-"""The SQL sandbox's time bound (treegrpo.tasks.sql.tool, .guard): no statement runs long, the size
-producing functions included; printf's ``%c`` repeat loop (one VM instruction that neither the
-step limit nor the wall clock could stop) is cut short; the guarded printf gives SQLite's results.
+"""The SQL sandbox's time bound (treegrpo.tasks.sql.tool, .guard, .expansion): no statement runs long,
+the size producing functions, the pattern matchers and what SQLite builds at prepare time included;
+printf's ``%c`` repeat loop (one VM instruction that neither the step limit nor the wall clock could
+stop) is cut short; the guarded printf gives SQLite's results.
 
-The bound checked: with ``wall_s`` = 0.3 s, every generated statement takes at most
-``wall_s + 1.0`` s of this thread's CPU time (CPU time, so a loaded machine does not fail it; the
-wall clock can only stop a statement sooner). Before the guard, one ``printf('%.*c', 2**31 - 1,
-'x')`` took 3 s of CPU here and three of them in one format 10 s."""
+The bound checked: with ``wall_s`` = 0.3 s, every generated statement takes at most ``wall_s + 0.5``
+s of this thread's CPU time (CPU time, so a loaded machine does not fail it; the wall clock can only
+stop a statement sooner). The 0.5 s is one loop iteration of the worst statement: the progress
+handler runs between VM instructions, and one row of a statement can hold ~150 pattern matches
+(``max_sql`` / 12 bytes each), each at most ``max_length`` x ``max_pattern`` character steps:
+measured up to 0.3 s of CPU on the 2-core development machine (``GLOB '*[a][a]…b'`` on 9,800
+characters), every other generated statement under 0.2 s. Before these limits, one
+``printf('%.*c', 2**31 - 1, 'x')`` took 3 s of CPU, issue 34's statement (``ISSUE_LIKE``: 1,000 rows,
+three 5,001-byte ``LIKE`` patterns a row) 12 s, and a 258-byte nest of subqueries 12 s to prepare
+(``_flatten_bomb(7, 8)``; one level more: 101 s)."""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ SCRIPT = (
     "CREATE TABLE accounts(name TEXT, balance INTEGER); INSERT INTO accounts VALUES ('ann', 10), ('bo', 20);"
 )
 WALL_S = 0.3
-BOUND_S = WALL_S + 1.0
+BOUND_S = WALL_S + 0.5
 
 
 def _timed(db: SqlDb, sql: str) -> tuple[str, bool, float]:
@@ -234,11 +241,184 @@ STATEMENT = st.one_of(
 )
 
 
+def _within_bound(sql: str) -> tuple[str, bool]:
+    """Run ``sql`` in a fresh sandbox (``wall_s`` = WALL_S); it must end within BOUND_S of CPU."""
+    db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
+    text, ok, cpu = _timed(db, sql)
+    db.close()
+    assert isinstance(text, str) and isinstance(ok, bool)
+    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
+    return text, ok
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sql=STATEMENT)
 def test_no_statement_runs_longer_than_the_bound(sql: str) -> None:
+    _within_bound(sql)
+
+
+# -- pattern matching and prepare-time expansion --------------------------------------------------
+P5K = "'%'||printf('%.*c',4999,'a')||'b'"
+ISSUE_LIKE = (  # issue 34's statement: 1,000 rows, three 5,001-byte LIKE patterns a row; 12 s of CPU here
+    "WITH RECURSIVE r(i,s) AS (SELECT 1,printf('%.*c',9990,'a') UNION ALL SELECT i+1,s FROM r LIMIT 1000) "
+    f"SELECT count(*) FROM r WHERE s LIKE {P5K} OR s LIKE {P5K} OR s LIKE {P5K}"
+)
+
+
+def _flatten_bomb(depth: int, refs: int) -> str:
+    """Nested FROM subqueries whose column is read ``refs`` times a level: the query flattener copies
+    the inner expression into each reference (8 refs x 7 levels: 12 s to prepare, 8 levels 101 s)."""
+    sql = "SELECT 1 AS a"
+    for _ in range(depth):
+        sql = f"SELECT {'+'.join(['a'] * refs)} AS a FROM ({sql})"
+    return sql
+
+
+def _cte_bomb(depth: int, refs: int = 2, hint: str = "") -> str:
+    """A chain of WITH tables, each reading the one before ``refs`` times: SQLite copies a table's body
+    into every reference at prepare time (2 refs x 19 levels: 5.7 s, each level doubling)."""
+    body = " UNION ALL ".join(["SELECT x FROM a{}"] * refs)
+    defs = "".join(f",a{k + 1} AS {hint}({body.format(*[k] * refs)})" for k in range(depth))
+    return f"WITH a0 AS {hint}(SELECT 1 x){defs} SELECT count(*) FROM a{depth}"
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        ISSUE_LIKE,
+        ISSUE_LIKE.replace("LIKE", "GLOB").replace("'%'", "'*'"),
+        f"SELECT printf('%.*c', 9990, 'a') LIKE {P5K}",
+        _flatten_bomb(8, 8),
+        _flatten_bomb(12, 3),
+        _cte_bomb(19),
+        _cte_bomb(30, 2, "NOT MATERIALIZED "),
+        _cte_bomb(25, 3, "MATERIALIZED "),
+    ],
+)
+def test_the_long_statements_end_at_once_as_an_error(sql: str) -> None:
     db = SqlDb(SqlLimits(wall_s=WALL_S), script=SCRIPT)
     text, ok, cpu = _timed(db, sql)
-    assert isinstance(text, str) and isinstance(ok, bool)
-    assert cpu <= BOUND_S, f"{sql} took {cpu:.2f} s of CPU (bound {BOUND_S} s)"
-    db.close()
+    assert not ok and text.startswith("error: ")
+    assert cpu < 0.05, f"{sql} took {cpu:.2f} s of CPU"
+
+
+def test_a_long_pattern_or_a_bomb_is_an_observation() -> None:
+    env = SqlEnv(limits=SqlLimits(wall_s=WALL_S))
+    task = build_problems(SqlConfig(n_warmup=2, n_train=2, n_eval=2)).tasks("train")[0]
+    db = env.initial_state(task)
+    steps = [f"<sql>{ISSUE_LIKE}</sql>", f"<sql>{_cte_bomb(19)}</sql>", "<sql>SELECT 'ann' LIKE 'a%'</sql>"]
+    outs = env.step([task] * 3, steps, [True] * 3, states=[db] * 3)
+    assert [(o.kind, o.done, o.observation) for o in outs] == [
+        ("sql", False, "<result>error: LIKE or GLOB pattern too complex</result>"),
+        ("sql", False, "<result>error: statement too complex (nested subqueries or WITH tables)</result>"),
+        ("sql", False, "<result>1</result>"),
+    ]
+    env.close_state(db)
+
+
+# the generated pattern-matching and prepare-time shapes
+LONG = st.sampled_from(
+    [
+        "s",  # the CTE's long value (below), a new row each time
+        "(i || printf('%.*c', 9800, 'a'))",
+        "printf('%.*c', 9800, 'a')",
+        "hex(zeroblob(4900))",
+        "printf('%.*c', 4900, 'é')",
+    ]
+)
+PIECE = st.sampled_from(["%", "_", "a", "aa", "*", "?", "[a]", "[^b]", "[a-z]", "b", "\\%", "é"])
+PATTERN = st.one_of(
+    st.just("p"),  # the CTE's pattern column
+    st.lists(PIECE, min_size=1, max_size=30).map(lambda ps: "'" + "".join(ps) + "'"),
+    st.builds(
+        lambda w, n, c, end: f"'{w}' || printf('%.*c', {n}, '{c}') || '{end}'",
+        st.sampled_from(["%", "*", ""]),
+        st.sampled_from([10, 47, 48, 49, 50, 4999, 9000]),
+        st.sampled_from(["a", "%", "_", "*"]),
+        st.sampled_from(["b", "%", "*", ""]),
+    ),
+    st.builds(
+        lambda n, cls: f"'*' || replace(printf('%.*c', {n}, 'x'), 'x', '{cls}') || 'b'",
+        st.sampled_from([5, 12, 16, 3000]),
+        st.sampled_from(["[a]", "[^b]", "?*", "%a", "a_%"]),
+    ),
+)
+MATCH = st.one_of(
+    st.builds(
+        lambda v, op, p: f"{v} {op} {p}",
+        LONG,
+        st.sampled_from(["LIKE", "GLOB", "NOT LIKE", "NOT GLOB"]),
+        PATTERN,
+    ),
+    st.builds(lambda v, p: f"{v} LIKE {p} ESCAPE '\\'", LONG, PATTERN),
+    st.builds(lambda f, v, p: f"{f}({p}, {v})", st.sampled_from(["like", "glob"]), LONG, PATTERN),
+    st.builds(lambda v, p: f"instr({v}, {p})", LONG, st.one_of(PATTERN, LONG)),
+    st.builds(lambda v, p, z: f"length(replace({v}, {p}, {z}))", LONG, st.one_of(PATTERN, LONG), LONG),
+)
+
+
+def _many(expr: str, sep: str, head: str, count: str) -> str:
+    """``head`` + ``count`` copies of ``expr`` joined by ``sep`` ("fill": as many as fit in max_sql)."""
+    if count != "fill":
+        return head + sep.join([expr] * int(count))
+    n = max(1, (SqlLimits().max_sql - len(head.encode())) // len((expr + sep).encode()))
+    return head + sep.join([expr] * n)
+
+
+MATCH_ROWS = "WITH RECURSIVE r(i, s, p) AS (SELECT 1, {v}, {p} UNION ALL SELECT i + 1, s, p FROM r LIMIT {n}) "
+PATTERN_STATEMENT = st.one_of(
+    st.builds(lambda e, k: _many(e, " + ", "SELECT ", k), MATCH, st.sampled_from(["1", "3", "fill"])),
+    st.builds(
+        lambda v, p, n, e, k, sep: _many(
+            e, sep, MATCH_ROWS.format(v=v, p=p, n=n) + "SELECT count(*) FROM r WHERE ", k
+        ),
+        st.sampled_from(["printf('%.*c', 9800, 'a')", "hex(zeroblob(4900))", "'ann'"]),
+        PATTERN.filter(lambda p: p != "p"),
+        st.sampled_from(["1000", "1000000"]),
+        MATCH,
+        st.sampled_from(["1", "3", "fill"]),
+        st.sampled_from([" OR ", " AND ", ") + ("]),
+    ),
+)
+BOMB = st.one_of(
+    st.builds(_flatten_bomb, st.integers(1, 15), st.integers(1, 12)),
+    st.builds(
+        _cte_bomb,
+        st.integers(1, 36),
+        st.integers(1, 4),
+        st.sampled_from(["", "MATERIALIZED ", "NOT MATERIALIZED "]),
+    ),
+    st.builds(  # a WITH chain whose bodies nest subqueries
+        lambda d, k: f"WITH a AS ({_flatten_bomb(d, k)}), b AS (SELECT a.a + a.a AS a FROM a, a AS c) "
+        "SELECT count(*) FROM b, b AS c",
+        st.integers(1, 8),
+        st.integers(1, 8),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sql=st.one_of(PATTERN_STATEMENT, BOMB))
+def test_no_pattern_match_or_prepare_runs_longer_than_the_bound(sql: str) -> None:
+    _within_bound(sql)
+
+
+WORST_ROWS = [  # one row of the most costly matches that fit: the loop iteration the bound allows for
+    _many(
+        expr,
+        " OR ",
+        MATCH_ROWS.format(v="printf('%.*c', 9800, 'a')", p=pattern, n=1000000)
+        + "SELECT count(*) FROM r WHERE ",
+        "fill",
+    )
+    for expr, pattern in [
+        ("s GLOB p", "'*' || replace(printf('%.*c', 10, 'x'), 'x', '[a]') || 'b'"),
+        ("s GLOB p", "'*' || replace(printf('%.*c', 5, 'x'), 'x', '[b-za]') || 'b'"),
+        ("s LIKE p", "'%' || printf('%.*c', 30, 'a') || 'b'"),
+    ]
+]
+
+
+@pytest.mark.parametrize("sql", WORST_ROWS)
+def test_the_costliest_rows_end_within_the_bound(sql: str) -> None:
+    assert _within_bound(sql) == ("error: statement stopped: step limit", False)

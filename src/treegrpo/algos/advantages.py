@@ -38,11 +38,13 @@ NodeKey = tuple[int, int]
 EstimatorFn = Callable[[Forest, "AdvantageConfig"], dict[NodeKey, float]]
 AnnotateFn = Callable[[Forest, "AdvantageConfig"], dict[NodeKey, dict[str, Any]]]
 GigpoMode = Literal["mean_norm", "mean_std_norm"]
+GigpoAnchor = Literal["observation", "context", "state"]
 
 _LEVELS = ("leaf", "node")
 _SCALES = ("std", "none")
 _COMPONENTS = ("both", "intra", "inter")
 _GIGPO_MODES = ("mean_norm", "mean_std_norm")
+GIGPO_ANCHORS: tuple[GigpoAnchor, ...] = ("observation", "context", "state")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class AdvantageConfig:
             fix this regardless of the value here.
         sqrt_weighting: ``treerl``: divide by sqrt(#leaves below the node) (TreeRL); False drops it.
         local: ``treerl``: add the local term V(s) - V(parent); False keeps the global term only.
-        gamma: GiGPO: discount of the step returns (verl-agent ``algorithm.gamma``, 0.95).
+        gamma: GiGPO: discount of the step returns (verl-agent's ``algorithm.gamma``). 0.95: the
+            value verl-agent's GiGPO example scripts pass (its config's own default is verl's 1.0).
         step_advantage_w: GiGPO: weight of the step-level term (``algorithm.gigpo.step_advantage_w``).
         mode: GiGPO: ``"mean_norm"`` (subtract the group mean) or ``"mean_std_norm"`` (and divide
             by std + eps), for both its terms (``algorithm.gigpo.mode``).
@@ -67,6 +70,10 @@ class AdvantageConfig:
             that are identical (``algorithm.gigpo.enable_similarity``).
         similarity_thresh: GiGPO: the ``difflib`` ratio two observations need to share a group,
             in (0, 1) (``algorithm.gigpo.similarity_thresh``).
+        anchor: GiGPO: what a step group shares (:func:`treegrpo.algos.gigpo.anchor_values`):
+            ``"observation"`` (verl-agent's: the observation the step acts on, no history),
+            ``"context"`` (the whole context root→parent) or ``"state"`` (the env's state key
+            before the step, else the context).
     """
 
     scale: Scale = "std"
@@ -79,6 +86,7 @@ class AdvantageConfig:
     mode: GigpoMode = "mean_norm"
     enable_similarity: bool = False
     similarity_thresh: float = 0.95
+    anchor: GigpoAnchor = "observation"
 
     def __post_init__(self) -> None:
         if self.scale not in _SCALES:
@@ -94,6 +102,8 @@ class AdvantageConfig:
             )
         if self.mode not in _GIGPO_MODES:
             raise ValueError(f"AdvantageConfig.mode must be one of {_GIGPO_MODES}, got {self.mode!r}")
+        if self.anchor not in GIGPO_ANCHORS:
+            raise ValueError(f"AdvantageConfig.anchor must be one of {GIGPO_ANCHORS}, got {self.anchor!r}")
         if not (isinstance(self.gamma, (int, float)) and 0.0 <= self.gamma <= 1.0):
             raise ValueError(f"AdvantageConfig.gamma must be a number in [0, 1], got {self.gamma!r}")
         if not (isinstance(self.step_advantage_w, (int, float)) and math.isfinite(self.step_advantage_w)):

@@ -9,7 +9,7 @@ share is one row per trajectory through it (as the token-mean loss counts its to
 Then, per row::
 
     E = episode term: (R - mean) [/ (std + eps)] over every row of the prompt group
-    S = step term:    (G - mean) [/ (std + eps)] over the rows of the same anchor state
+    S = step term:    (G - mean) [/ (std + eps)] over the rows of the same anchor
     A = E + step_advantage_w * S,        G = sum_k gamma^k r_{t+k} = gamma^(T - d) * R
 
 (``mode="mean_norm"``: no std; ``"mean_std_norm"``: divide; std unbiased). A node's advantage is
@@ -18,13 +18,25 @@ the mean of its rows' values (:func:`gigpo_advantage`): on chains, where every n
 mean in a token-mean loss, which is the sum of its k rows' values — the same gradient, as long as
 the PPO ratio is inside the clip range (e.g. one optimizer step per rollout).
 
-**Anchor states** (the state *before* the step, :func:`anchor_keys`): the parent's
-``extra["state_key"]`` when the rollout recorded one (a stateful env's state, e.g. the SQL
-database's content: :func:`treegrpo.envs.state.state_key`); otherwise the exact token ids of the
-context root→parent (a deterministic tool's state is its context; all first steps of a group share
-the prompt); in a forest without token ids, the texts and observations root→parent. Similarity
-grouping (``enable_similarity``) compares, as verl-agent does, the *current observation* instead:
-the parent's observation (the prompt for a first step, the state key where there is one).
+**Anchors** (:func:`anchor_values`, ``AdvantageConfig.anchor``): a step's group is the rows of its
+prompt whose anchor equals its own. Three choices, each a function of the step's parent node:
+
+- ``observation`` (the default: verl-agent's ``anchor_obs``, the observation the agent acts on,
+  with no history): the parent's ``observation`` text, and for a first step the prompt (the
+  root's ``text``, ``""`` if the file has none; every first step of a forest shares it). So two
+  steps that see the same tool reply share a group however they got there. In a forest where some
+  of those observations have no text, the same observations as token ids: the parent's tokens
+  under ``policy_mask`` 0, the prompt's ids.
+- ``context``: the whole context root→parent — its token ids when every root has them, else the
+  concatenated texts and observations root→parent. Steps share a group only when their histories
+  are identical (on a tree: siblings, and the first steps of a forest).
+- ``state``: the parent's ``extra["state_key"]`` where the rollout recorded one (a stateful env's
+  state, e.g. the SQL database's content: :func:`treegrpo.envs.state.state_key`), else the
+  context (a stateless tool's state is its context).
+
+Similarity grouping (``enable_similarity``) compares the same anchor values, by ``difflib``'s
+ratio (characters of a text, or token ids), so at a threshold close enough to 1 it is exact
+grouping.
 
 **What we keep from verl-agent and what we change.** Kept, and matched to 1e-6 by
 ``tests/algos/test_gigpo_parity.py`` against a restatement of verl-agent's functions:
@@ -42,10 +54,9 @@ the parent's observation (the prompt for a first step, the state key where there
 Changed: float64 throughout (verl-agent uses float32: an all-equal group's rounding residue over
 std + eps is then up to ~0.1, not 0); outcome rewards only (a non-leaf node's ``reward`` is ignored;
 verl-agent also subtracts an invalid-action penalty from the step returns, which we do not have);
-the anchor is the whole state before the step rather than verl-agent's current observation (the
-issue's choice: exact by construction on trees, and the env can supply it); a tree's node is the
-mean of its rows (above). ``tree_gigpo`` is our combination: Tree-GRPO's leaf advantage (inter +
-intra, as ``tree_grpo``) instead of the episode term, plus GiGPO's step term.
+a tree's node is the mean of its rows (above); the ``context`` and ``state`` anchors are ours.
+``tree_gigpo`` is our combination: Tree-GRPO's leaf advantage (inter + intra, as ``tree_grpo``)
+instead of the episode term, plus GiGPO's step term.
 """
 
 from __future__ import annotations
@@ -59,14 +70,16 @@ from typing import Any
 import torch
 
 from treegrpo.algos.advantages import (
+    GIGPO_ANCHORS,
     AdvantageConfig,
+    GigpoAnchor,
     GigpoMode,
     NodeKey,
     _leaf_reward,
     _tree_grpo,
     register_advantage,
 )
-from treegrpo.tree import Forest
+from treegrpo.tree import Forest, Node, Tree
 
 RowKey = tuple[int, int, int]
 """(tree index, leaf id, node id): one step of one trajectory."""
@@ -124,8 +137,8 @@ def discounted_returns(rewards_R: Sequence[float], traj_R: Sequence[Hashable], g
 
 
 def _similar(a: Any, b: Any, thresh: float) -> bool:
-    if not isinstance(a, str) or not isinstance(b, str):
-        raise ValueError("similarity grouping compares observation texts: every anchor must be a str")
+    if not isinstance(a, (str, tuple)) or not isinstance(b, (str, tuple)):
+        raise ValueError("similarity grouping compares texts or token ids: every anchor must be a str or a tuple")
     return difflib.SequenceMatcher(None, a, b).ratio() >= thresh
 
 
@@ -210,7 +223,7 @@ def gigpo_rows(
         episode_rewards_R: [R] the outcome of the row's episode (the same on each of its rows).
         step_returns_R: [R] the discounted return from the row's step (:func:`discounted_returns`).
         index_R: [R] episode group (prompt) of each row.
-        anchors_R: [R] anchor state of each row (any hashable; ``str`` with ``enable_similarity``).
+        anchors_R: [R] anchor of each row (any hashable; a ``str`` or ``tuple`` with ``enable_similarity``).
         mode: ``mean_norm`` | ``mean_std_norm``.
         eps: added to the std.
         step_advantage_w: weight of the step term.
@@ -235,45 +248,46 @@ def gigpo_rows(
 # -- forests ----------------------------------------------------------------------------------------
 
 
-def anchor_keys(forest: Forest) -> dict[NodeKey, Hashable]:
-    """The exact anchor state of every non-root node: the state before its step (module
-    docstring): ``("state", parent's state_key)``, ``("tokens", context ids root→parent)`` when
-    every root has token ids, else ``("text", ((text, observation), ...) root→parent)``."""
-    tokens = all(t.root.tokens for t in forest.trees)
+def _observation_tokens(node: Node) -> tuple[int, ...]:
+    return tuple(t for t, m in zip(node.tokens, node.policy_mask, strict=False) if not m)
+
+
+def anchor_values(forest: Forest, anchor: GigpoAnchor = "observation") -> dict[NodeKey, Hashable]:
+    """The anchor of every non-root node under ``anchor`` (module docstring): a ``str`` (a text, a
+    state key) or a ``tuple`` of token ids. Equal values = one step group."""
+    if anchor not in GIGPO_ANCHORS:
+        raise ValueError(f"anchor must be one of {GIGPO_ANCHORS}, got {anchor!r}")
+    parents = [{n.parent for n in t.nodes if n.parent is not None} for t in forest.trees]
+    texts = all(  # every observation a later step acts on is there as text
+        t.node(p).observation is not None for t, ps in zip(forest.trees, parents, strict=True) for p in ps
+        if p != t.root.id
+    )  # fmt: skip
+    ids = all(t.root.tokens for t in forest.trees)
+
+    def context(tree: Tree, p: int) -> Hashable:
+        if ids:
+            return tuple(tree.context(p))
+        return "".join(n.text + (n.observation or "") for n in tree.path(p))
+
+    def value(tree: Tree, parent: Node) -> Hashable:
+        if anchor == "state":
+            key = parent.extra.get("state_key")
+            return str(key) if key is not None else context(tree, parent.id)
+        if anchor == "context":
+            return context(tree, parent.id)
+        if parent.parent is None:  # a first step acts on the prompt
+            return parent.text if texts else tuple(parent.tokens)
+        return parent.observation if texts else _observation_tokens(parent)
+
     out: dict[NodeKey, Hashable] = {}
     for ti, tree in enumerate(forest.trees):
         at: dict[int, Hashable] = {}
         for node in tree.nodes:
             if node.parent is None:
                 continue
-            p = node.parent
-            if p not in at:
-                parent = tree.node(p)
-                if "state_key" in parent.extra:
-                    at[p] = ("state", str(parent.extra["state_key"]))
-                elif tokens:
-                    at[p] = ("tokens", tuple(tree.context(p)))
-                else:
-                    at[p] = ("text", tuple((n.text, n.observation) for n in tree.path(p)))
-            out[(ti, node.id)] = at[p]
-    return out
-
-
-def anchor_texts(forest: Forest) -> dict[NodeKey, str]:
-    """The text similarity grouping compares for every non-root node: its parent's state key, or
-    observation (the prompt text for a first step; the parent's text if it has no observation)."""
-    out: dict[NodeKey, str] = {}
-    for ti, tree in enumerate(forest.trees):
-        for node in tree.nodes:
-            if node.parent is None:
-                continue
-            parent = tree.node(node.parent)
-            if "state_key" in parent.extra:
-                out[(ti, node.id)] = str(parent.extra["state_key"])
-            elif parent.parent is None or parent.observation is None:
-                out[(ti, node.id)] = parent.text
-            else:
-                out[(ti, node.id)] = parent.observation
+            if node.parent not in at:
+                at[node.parent] = value(tree, tree.node(node.parent))
+            out[(ti, node.id)] = at[node.parent]
     return out
 
 
@@ -306,8 +320,7 @@ class ForestSteps:
 
 def forest_steps(forest: Forest, cfg: AdvantageConfig) -> ForestSteps:
     """The rows of ``forest`` (module docstring) and their GiGPO values under ``cfg``."""
-    keys = anchor_keys(forest)
-    texts = anchor_texts(forest) if cfg.enable_similarity else None
+    anchor_of = anchor_values(forest, cfg.anchor)
     rows: list[RowKey] = []
     episode: list[float] = []
     step_rewards: list[float] = []
@@ -319,7 +332,7 @@ def forest_steps(forest: Forest, cfg: AdvantageConfig) -> ForestSteps:
             rows.append((ti, leaf.id, node.id))
             episode.append(r)
             step_rewards.append(r if d == len(path) else 0.0)  # outcome reward on the last step
-            anchors.append(texts[(ti, node.id)] if texts is not None else keys[(ti, node.id)])
+            anchors.append(anchor_of[(ti, node.id)])
     returns = discounted_returns(step_rewards, [(ti, leaf) for ti, leaf, _ in rows], cfg.gamma)
     values = gigpo_rows(
         episode,
@@ -384,7 +397,7 @@ def shared_anchor_stats(forests: Sequence[Forest], cfg: AdvantageConfig | None =
 def gigpo_advantage(forest: Forest, cfg: AdvantageConfig) -> dict[NodeKey, float]:
     """GiGPO (module docstring): per non-root node, the mean over its rows of
     ``E + step_advantage_w * S``. Uses ``cfg.gamma``, ``step_advantage_w``, ``mode``, ``eps``,
-    ``enable_similarity``, ``similarity_thresh``; not ``scale``."""
+    ``anchor``, ``enable_similarity``, ``similarity_thresh``; not ``scale``."""
     if not forest.leaves():
         return {}
     fs = forest_steps(forest, cfg)
@@ -409,8 +422,7 @@ __all__ = [
     "ForestSteps",
     "GigpoRows",
     "anchor_annotations",
-    "anchor_keys",
-    "anchor_texts",
+    "anchor_values",
     "discounted_returns",
     "forest_steps",
     "gigpo_advantage",

@@ -54,6 +54,7 @@ def base_config(task: str, regime: Regime, model_dir: Path, world_seed: int, out
         "model": str(model_dir), **where, "steps": regime.steps, "prompts_per_step": regime.prompts_per_step,
         "lr": regime.lr, "eval_every": regime.eval_every, "eval_prompts": regime.eval_prompts, "eval_sampled": True,
         "save_every": 0, "dump_rollouts_every": dump, "tensorboard": False, "threads": 1, "out_dir": out_dir,
+        "gigpo_anchor": "state",  # the GiGPO table's exact anchors: the context, the SQL state (its README)
     }  # fmt: skip
 
 

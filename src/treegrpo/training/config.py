@@ -168,11 +168,12 @@ class TrainConfig(BaseModel):
         True, description="treerl: add the local term V(s) - V(parent) (False: global advantage only)."
     )
     # GiGPO (gigpo, tree_gigpo), under verl-agent's names (algorithm.gamma, algorithm.gigpo.*: accepted as aliases)
-    gamma: float = Field(0.95, ge=0.0, le=1.0, validation_alias=AliasChoices("gamma", "algorithm.gamma"), description="gigpo, tree_gigpo: discount of the step returns (verl-agent's algorithm.gamma).")
+    gamma: float = Field(0.95, ge=0.0, le=1.0, validation_alias=AliasChoices("gamma", "algorithm.gamma"), description="gigpo, tree_gigpo: discount of the step returns (verl-agent's algorithm.gamma; 0.95 is what its GiGPO example scripts pass, its config's own default is 1.0).")
     step_advantage_w: float = Field(1.0, validation_alias=AliasChoices("step_advantage_w", "gigpo.step_advantage_w"), description="gigpo, tree_gigpo: weight of the step-level (anchor-state) term.")
     gigpo_mode: Literal["mean_norm", "mean_std_norm"] = Field("mean_norm", validation_alias=AliasChoices("gigpo_mode", "gigpo.mode"), description="gigpo, tree_gigpo: mean_norm (subtract the group mean) or mean_std_norm (and divide by the std).")
-    enable_similarity: bool = Field(False, validation_alias=AliasChoices("enable_similarity", "gigpo.enable_similarity"), description="gigpo, tree_gigpo: group steps by similar observations instead of identical states.")
-    similarity_thresh: float = Field(0.95, gt=0.0, lt=1.0, validation_alias=AliasChoices("similarity_thresh", "gigpo.similarity_thresh"), description="gigpo, tree_gigpo with enable_similarity: the difflib ratio two observations need to share a group.")
+    enable_similarity: bool = Field(False, validation_alias=AliasChoices("enable_similarity", "gigpo.enable_similarity"), description="gigpo, tree_gigpo: group steps whose anchors are similar (difflib ratio) instead of equal.")
+    similarity_thresh: float = Field(0.95, gt=0.0, lt=1.0, validation_alias=AliasChoices("similarity_thresh", "gigpo.similarity_thresh"), description="gigpo, tree_gigpo with enable_similarity: the difflib ratio two anchors need to share a group.")
+    gigpo_anchor: Literal["observation", "context", "state"] = Field("observation", description="gigpo, tree_gigpo: what a step group shares: observation (verl-agent's: the observation the step acts on, no history), context (the whole context root→parent) or state (the env's state key, else the context).")
     clip_ratio_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
     dual_clip: bool = Field(False, description="Dual clip (c=3) for negative advantages.")
@@ -352,6 +353,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward)} rewards")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty: name the modules to adapt (e.g. all-linear)")
+        if self.sampler == "eptree" and self.estimator in ("gigpo", "tree_gigpo"):
+            raise ValueError(
+                f"{self.estimator} groups agent steps and eptree's nodes are token segments: "
+                "use sampler=tree or chain, or advantage=treerl"
+            )
         if self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
             raise ValueError(
                 "a tree with N·L = 0 and M = 1 has one trajectory per prompt: no group to compare"

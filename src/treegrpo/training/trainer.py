@@ -287,7 +287,7 @@ def train(
 def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
     """The estimators' options of a run (``adv_*`` fields; GiGPO's under verl-agent's names)."""
     renamed = {"scale": "adv_scale", "sqrt_weighting": "adv_sqrt_weighting", "local": "adv_local"}
-    return options_of(AdvantageConfig, cfg, **renamed, mode="gigpo_mode")
+    return options_of(AdvantageConfig, cfg, **renamed, mode="gigpo_mode", anchor="gigpo_anchor")
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:

@@ -12,20 +12,29 @@ by SQLite and leaves nothing behind. The sandbox (:func:`sandbox`):
   history rather than the database (``changes``, ``total_changes``, ``last_insert_rowid``: a
   restored copy has another history); extension loading stays disabled;
 - a statement limit counted in SQLite VM steps (a progress handler; deterministic, so a replay
-  stops where the original stopped), with a wall-clock backstop;
-- size limits: value and statement length (``setlimit``), database pages (``max_page_count``),
-  and the result text (``max_rows`` rows, ``max_chars`` characters). A function whose value would
-  pass ``max_length`` fails at once (``string or blob too big``; ``printf`` gives NULL), and
-  ``printf``/``format`` are guarded (:mod:`.guard`): SQLite's ``%c`` repeat loop is the one piece
-  of work inside a single VM instruction that the value limit does not bound.
+  stops where the original stopped), with a wall-clock backstop checked at the same points;
+- size limits: value and statement length (``setlimit``), ``LIKE``/``GLOB`` pattern length, VM
+  program length, database pages (``max_page_count``), and the result text (``max_rows`` rows,
+  ``max_chars`` characters). A function whose value would pass ``max_length`` fails at once
+  (``string or blob too big``; ``printf`` gives NULL), and ``printf``/``format`` are guarded
+  (:mod:`.guard`): SQLite's ``%c`` repeat loop is a piece of work inside a single VM instruction
+  that the value limit does not bound;
+- a bound on what SQLite builds *preparing* a statement, before any VM instruction runs
+  (:mod:`.expansion`: every reference to a ``WITH`` table copies its body, the query flattener
+  copies subquery expressions into each column reference; nested, either is exponential): a
+  statement whose bound passes ``max_terms`` is refused.
 
-The time bound: the progress handler runs every ``check_every`` VM instructions, and with the
-guard no single instruction does work that the limits do not bound (a function reads and writes
-values of at most ``max_length`` bytes; a sort or a DISTINCT covers the rows built within
-``vm_steps``), so a statement ends within ``wall_s`` plus one progress period: about 2 s with the
-defaults. tests/tasks/test_sql_sandbox.py checks it on generated statements (the size-producing
-functions with huge counts, in recursive CTEs, sorts and aggregates): at most ``wall_s`` + 1 s
-of CPU; measured: 0.1 s of CPU at most, 0.06 s of wall clock past ``wall_s``.
+The time bound: the progress handler runs every ``check_every`` VM instructions, at the loop
+points of the program (never inside one instruction, nor between two of one row's expressions).
+No single instruction does work that the limits do not bound: a function reads and writes values
+of at most ``max_length`` bytes, a ``LIKE``/``GLOB`` match costs at most ``max_length`` x
+``max_pattern`` character steps, ``instr``/``replace`` a ``memcmp`` of that order, a sort or a
+DISTINCT covers the rows built within ``vm_steps``. So a statement ends within ``wall_s`` plus one
+loop iteration — at worst one row of ~150 pattern matches (``max_sql`` / 12 bytes), about 0.3 s of
+CPU on the 2-core development machine — with the defaults about 2.3 s.
+tests/tasks/test_sql_sandbox.py checks it on generated statements (the size-producing functions
+with huge counts, pattern matching with long values and patterns, many per row, nested subqueries
+and ``WITH`` chains, in recursive CTEs, sorts and aggregates): at most ``wall_s`` + 0.5 s of CPU.
 
 Errors come back as text (``error: …``), never as exceptions. Snapshots and forks are
 ``Connection.backup`` copies into in-memory databases (:meth:`SqlDb.copy`; an env can hand in a
@@ -39,6 +48,7 @@ import time
 from dataclasses import dataclass
 
 from treegrpo.tasks.sql import guard
+from treegrpo.tasks.sql.expansion import expansion_bound
 
 _ALLOWED = {
     sqlite3.SQLITE_SELECT,
@@ -88,16 +98,24 @@ class SqlLimits:
         max_length: longest string or blob value (SQLITE_LIMIT_LENGTH), bytes.
         max_sql: longest statement, bytes.
         max_pages: database size cap, pages.
+        max_pattern: longest ``LIKE`` / ``GLOB`` pattern (SQLITE_LIMIT_LIKE_PATTERN_LENGTH), bytes:
+            one match costs up to value length x pattern length inside one VM instruction.
+        max_ops: longest VM program (SQLITE_LIMIT_VDBE_OP), instructions: bounds code generation.
+        max_terms: cap on :func:`~treegrpo.tasks.sql.expansion.expansion_bound`, the terms SQLite
+            may build preparing a statement (``WITH`` copies, the query flattener).
     """
 
     vm_steps: int = 200_000
-    check_every: int = 1_000
+    check_every: int = 100
     wall_s: float = 2.0
     max_rows: int = 20
     max_chars: int = 400
     max_length: int = 10_000
     max_sql: int = 2_000
     max_pages: int = 256
+    max_pattern: int = 32
+    max_ops: int = 25_000
+    max_terms: int = 1_000_000
 
 
 def _authorize(action: int, arg1: str | None, arg2: str | None, db: str | None, trigger: str | None) -> int:
@@ -134,6 +152,8 @@ class SqlDb:
         lim = self.limits
         if len(sql.encode()) > lim.max_sql:
             return f"error: statement longer than {lim.max_sql} bytes", False
+        if expansion_bound(sql) > lim.max_terms:
+            return "error: statement too complex (nested subqueries or WITH tables)", False
         self._ticks, self._deadline = 0, time.perf_counter() + lim.wall_s
         cur = None
         try:
@@ -147,6 +167,8 @@ class SqlDb:
             return f"error: {msg}", False
         except (sqlite3.Error, ValueError, OverflowError) as e:
             return f"error: {e}", False
+        except MemoryError:  # SQLite's out-of-memory, also what a program past max_ops gives
+            return "error: out of memory (statement too large)", False
         finally:
             if cur is not None:
                 cur.close()
@@ -193,6 +215,9 @@ def sandbox(db: SqlDb) -> None:
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, lim.max_length)
     conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, lim.max_sql)
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, lim.max_pattern)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_VDBE_OP, lim.max_ops)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_WORKER_THREADS, 0)  # a sort runs on this thread, within its limits
     guard.install(conn, lim.max_length)
     if hasattr(conn, "enable_load_extension"):
         conn.enable_load_extension(False)
