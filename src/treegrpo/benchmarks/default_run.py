@@ -12,6 +12,7 @@ tiny agent was bootstrapped by this run. The README's figures come from a clean 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ def run_default(
     console: Any = None,
 ) -> dict[str, Any]:
     """Train the default run into ``run_dir`` (default: the config's ``runs/tree``), then write
-    ``out``: ``{what, summary, config, environment, provenance}``. Returns the document."""
+    ``out``: ``{what, summary, config, provenance}`` (the config as the run recorded it, ``auto``
+    values resolved; the cache's state as ``provenance.environment``). Returns the document."""
     from treegrpo.io import user_cache_dir
     from treegrpo.tasks.registry import task_family
     from treegrpo.training.config import load_config
@@ -48,9 +50,8 @@ def run_default(
     doc = {
         "what": WHAT if not overrides else f"{WHAT}; changed: {', '.join(sorted(overrides))}",
         "summary": summary.to_dict(),
-        "config": cfg.model_dump(mode="json"),
-        "environment": environment,
-        "provenance": provenance(model_dir=model, threads=cfg.threads or None),
+        "config": json.loads((Path(summary.out_dir) / "config.json").read_text()),  # auto values resolved
+        "provenance": {**provenance(model_dir=model, threads=cfg.threads or None), "environment": environment},
     }
     write_result(out, doc)
     return doc
