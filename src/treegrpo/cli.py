@@ -92,6 +92,10 @@ def train_cmd(
     allow_offline_retriever: bool = typer.Option(False, "--allow-offline-retriever", help="Start even if --retriever-url does not answer now."),
     preset: str | None = typer.Option(None, help="Synthetic world preset (when no --data)."),
     task: str | None = typer.Option(None, help="search (default) | arith (single-turn arithmetic) | sql (a database agent: a stateful tool)."),
+    env: str | None = typer.Option(None, "--env", help="Your own env: package.module:Class, importable from the working directory (docs/tools.md)."),
+    tools: str | None = typer.Option(None, "--tools", help="Your own tools: package.module:function,... or one package.module:Class (docs/tools.md)."),
+    reward: str | None = typer.Option(None, "--reward", help="Reward: em | sub_em | f1 | format | package.module:function (comma-separated: summed, --set reward_weights=[...])."),
+    protocol: str | None = typer.Option(None, "--protocol", help="How tools are called: tags (<tool_call>{json}</tool_call>) | tools (the model's own chat template)."),
     sampler: str | None = typer.Option(None, help="tree | chain | eptree."),
     engine: str | None = typer.Option(None, help="Rollout (and evaluation) engine: hf | vllm (vLLM installed; see docs/vllm.md)."),
     m: int | None = typer.Option(None, "--m", "--ts-m", help="Tree: initial chains per prompt (M)."),
@@ -131,6 +135,7 @@ def train_cmd(
         "lr": lr, "seed": seed, "out_dir": out_dir, "resume": resume or None,
         "resume_override": resume_override,
         "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
+        "env": env, "tools": tools, "reward": reward, "protocol": protocol,
     }  # fmt: skip
     try:
         extra = parse_set(set_)
@@ -325,34 +330,39 @@ def plan_cmd(
 @app.command("warmup")
 def warmup_cmd(
     model: str = typer.Option(..., help="Model: a local folder, a .gguf file, a built-in name (smollm2-135m) or a hub id."),
-    data: str = typer.Option(..., help="Questions: wiki-vital-qa (built in), Search-R1 parquet or JSONL."),
     out: Path = typer.Option(..., "--out", help="Folder to write: a --model for treegrpo train."),
+    data: str | None = typer.Option(None, help="Search task: questions to make demonstrations from (wiki-vital-qa, Search-R1 parquet or JSONL)."),
+    demos_file: Path | None = typer.Option(None, "--demos", help="Your own demonstrations, JSONL: message lists or question/steps records (docs/tools.md)."),
+    eval_data: str | None = typer.Option(None, help="Held-out questions measured before and after (JSONL rows)."),
+    env: str | None = typer.Option(None, "--env", help="Your own env: package.module:Class."),
+    tools: str | None = typer.Option(None, "--tools", help="Your own tools: package.module:function,... or one package.module:Class."),
+    reward: str | None = typer.Option(None, "--reward", help="Reward (for the held-out measurement): em | sub_em | f1 | package.module:function."),
+    protocol: str | None = typer.Option(None, "--protocol", help="tags | tools (the model's own chat template)."),
     corpus: str | None = typer.Option(None, help="Corpus JSONL or wiki-vital (built in)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
-    demos: int = typer.Option(96, help="Demonstrations (one per question, from the training split)."),
+    demos: int = typer.Option(96, "--n-demos", help="Search task: demonstrations to make (one per question, from the training split)."),
     epochs: float = typer.Option(1.0, help="Passes over the demonstrations."),
     lr: float = typer.Option(1e-4, help="AdamW learning rate (SmolLM2-135M, full fine-tuning: 1e-4 for 24 steps, measured)."),
     batch_size: int = typer.Option(4, help="Demonstrations per optimizer step."),
     eval_prompts: int = typer.Option(32, help="Held-out questions measured before and after."),
     set_: list[str] = typer.Option([], "--set", help="Any TrainConfig field (prompt, agent limits, device): --set key=value."),
 ) -> None:
-    """Supervised warm-up on protocol demonstrations (search the question, read, answer) so a model
-    learns the tags before RL; prints held-out success and well-formed rate before and after."""
-    import dataclasses
-
+    """Supervised warm-up on demonstrations — your own (--demos, for your tools or env) or, for the
+    search task, made from --data (search the question, read, answer) — so a model learns the
+    protocol before RL; prints held-out success and well-formed rate before and after."""
     from rich.console import Console
 
     from treegrpo.training.config import ConfigError, load_config, parse_set
-    from treegrpo.training.warmup_run import WarmupRun, run_warmup
+    from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
     try:
-        cfg = load_config(
-            None,
-            {"model": model, "data": data, "corpus": corpus, "retriever_url": retriever_url, **parse_set(set_)},
-        )
-        base = WarmupRun(out)
-        sft = dataclasses.replace(base.sft, epochs=epochs, lr=lr, batch_size=batch_size)
-        run_warmup(cfg, dataclasses.replace(base, demos=demos, sft=sft, eval_prompts=eval_prompts), Console(soft_wrap=True))
+        fields = {
+            "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
+            "env": env, "tools": tools, "reward": reward, "protocol": protocol,
+        }  # fmt: skip
+        cfg = load_config(None, {**fields, **parse_set(set_)})
+        run = WarmupRun(out, demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_file)
+        run_warmup(cfg, run, Console(soft_wrap=True))
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

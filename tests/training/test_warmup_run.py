@@ -72,7 +72,7 @@ def test_warmup_command_writes_a_model_folder(smollm2_2layer_dir: Path, tmp_path
     res = CliRunner().invoke(
         app,
         ["warmup", "--model", str(smollm2_2layer_dir), "--data", str(data), "--corpus", str(corpus), "--out", str(out),
-         "--demos", "4", "--eval-prompts", "1", "--set", "eval_sampled=false", "--set", "max_step_tokens=48",
+         "--n-demos", "4", "--eval-prompts", "1", "--set", "eval_sampled=false", "--set", "max_step_tokens=48",
          "--set", "max_turns=2"],
     )
     assert res.exit_code == 0, res.output

@@ -8,11 +8,18 @@ each observation once and keeps every generated id as it was sampled (DESIGN.md 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-ActionKind = Literal["search", "answer", "invalid", "sql", "kv"]  # sql, kv: the stateful tools (tasks/sql, tasks/kv)
+from treegrpo.errors import ConfigError
+
+ActionKind = str
+"""What a step did: ``answer``, ``invalid`` (malformed or missing action) or a tool action of the
+env's (``search``; ``sql``, ``kv`` for the stateful tools in tasks/sql and tasks/kv; ``tool`` for a
+:class:`~treegrpo.envs.tool_env.ToolEnv`). An env names its kinds in ``actions``."""
+#: The kinds of the built-in envs, accepted from an env that does not declare ``actions``.
+KNOWN_KINDS: tuple[str, ...] = ("search", "answer", "invalid", "sql", "kv", "tool")
 
 
 @dataclass
@@ -59,7 +66,16 @@ class StepOutcome:
 
 @runtime_checkable
 class AgentEnv(Protocol):
-    """A multi-turn tool environment (Search-R1 style)."""
+    """A multi-turn tool environment (Search-R1 style).
+
+    Optional attributes the loop reads: ``actions`` (``{kind: end tag}``, the action kinds a step
+    may take besides ``invalid`` — checked at start-up against ``stop_strings``; the end tag is
+    ``None`` for a turn that ends at the model's end-of-turn token), ``binary_reward`` (rewards are
+    0/1: held-out figures are called success, not reward), ``needs_history``/``needs_messages``
+    (``step`` gets each trajectory's earlier steps), ``score_outcome`` (the reward and node info of
+    a trajectory the loop ends itself), ``fit_observation``, and the state contract
+    (:mod:`treegrpo.envs.state`).
+    """
 
     stop_strings: tuple[str, ...]
     """Action end tags; the engine stops a step right after one (DESIGN.md §3.2)."""
@@ -78,3 +94,79 @@ class AgentEnv(Protocol):
     def score(self, task: Task, step: str) -> float:
         """Reward of a trajectory that ended without an answer at this step (turn or length limit)."""
         ...
+
+
+def env_name(env: Any) -> str:
+    return type(env).__name__
+
+
+def declared_kinds(env: Any) -> tuple[str, ...]:
+    """The step kinds ``env`` may return: its ``actions`` and ``invalid``, or, for an env that
+    declares none, the built-in kinds (:data:`KNOWN_KINDS`)."""
+    actions = getattr(env, "actions", None)
+    return (*actions, "invalid") if actions is not None else KNOWN_KINDS
+
+
+def check_env(env: Any) -> None:
+    """Check ``env`` against the contract before anything runs: its methods, ``stop_strings`` a
+    tuple of non-empty strings, and every declared action's end tag among them.
+
+    Raises:
+        ConfigError: one line naming the env, what is wrong and the fix.
+    """
+    name = env_name(env)
+    for method in ("prompt", "step", "score"):
+        if not callable(getattr(env, method, None)):
+            raise ConfigError(
+                f"env {name} has no {method}() method: an env needs stop_strings, prompt(task), "
+                "step(tasks, steps, allowed) and score(task, step) (docs/tools.md)"
+            )
+    if not hasattr(env, "stop_strings"):
+        raise ConfigError(
+            f"env {name} has no stop_strings: give the tuple of its actions' end tags, e.g. "
+            "('</search>', '</answer>'), or () when a turn ends at the model's end-of-turn token"
+        )
+    stops = env.stop_strings
+    if isinstance(stops, str):
+        raise ConfigError(
+            f"env {name}.stop_strings is the string {stops!r}, not a tuple: write ({stops!r},) "
+            "(a string is a sequence of one-character stop strings)"
+        )
+    if not isinstance(stops, tuple | list) or any(not isinstance(s, str) or not s for s in stops):
+        raise ConfigError(f"env {name}.stop_strings must be a tuple of non-empty strings, got {stops!r}")
+    actions = getattr(env, "actions", None)
+    if actions is None:
+        return
+    if not isinstance(actions, Mapping) or not all(isinstance(k, str) for k in actions):
+        raise ConfigError(f"env {name}.actions must map each action kind to its end tag, got {actions!r}")
+    for kind, tag in actions.items():
+        if tag and tag not in stops:
+            raise ConfigError(
+                f"env {name}: stop_strings {tuple(stops)!r} lack {tag!r}, the end tag of its {kind!r} action, so "
+                f"generation would run past that action; add {tag!r} to stop_strings"
+            )
+
+
+def check_outcomes(env: Any, outcomes: Any, n_steps: int) -> list[StepOutcome]:
+    """``env.step``'s answer, checked: one :class:`StepOutcome` per step, each of a declared kind
+    and with a reward when it ends the trajectory.
+
+    Raises:
+        ConfigError: one line naming the env and the fix.
+    """
+    name = env_name(env)
+    if not isinstance(outcomes, Sequence) or len(outcomes) != n_steps:
+        got = len(outcomes) if isinstance(outcomes, Sequence) else type(outcomes).__name__
+        raise ConfigError(f"env {name}.step returned {got} outcomes for {n_steps} steps: return one StepOutcome per step, in order")
+    kinds = declared_kinds(env)
+    for o in outcomes:
+        if not isinstance(o, StepOutcome):
+            raise ConfigError(f"env {name}.step returned a {type(o).__name__}: return treegrpo StepOutcome objects")
+        if o.kind not in kinds:
+            raise ConfigError(
+                f"env {name}.step returned kind {o.kind!r}: declare it in {name}.actions "
+                f"(kind -> end tag) or use one of {', '.join(kinds)}"
+            )
+        if o.done and o.reward is None:
+            raise ConfigError(f"env {name}.step ended a trajectory ({o.kind}) without a reward: set StepOutcome.reward when done")
+    return list(outcomes)

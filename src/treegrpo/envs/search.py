@@ -16,8 +16,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from treegrpo.envs.base import StepOutcome, Task
+from treegrpo.envs.reward_fns import RewardSet
 from treegrpo.envs.rewards import em, format_score, get_answer_metric
 from treegrpo.retrieval.base import RetrievalError, Retriever, format_passages
 
@@ -108,6 +110,9 @@ class SearchEnv:
             format-aware exact match over the whole trajectory).
         prompt_template: ``search_r1`` (Search-R1's instruction) | ``minimal`` | a format string
             with ``{question}``.
+        rewards: reward functions (:class:`~treegrpo.envs.reward_fns.RewardSet`) scoring an answer
+            instead of ``metric``: each gets the trajectory as chat messages (steps as assistant
+            turns, observations as tool results, the answer last).
     """
 
     retriever: Retriever
@@ -115,6 +120,8 @@ class SearchEnv:
     metric: str = "em"
     prompt_template: str = "search_r1"
     stop_strings: tuple[str, ...] = ("</search>", "</answer>")
+    rewards: RewardSet | None = None
+    actions: ClassVar[dict[str, str | None]] = {"search": "</search>", "answer": "</answer>"}
 
     def __post_init__(self) -> None:
         if self.metric not in REWARDS:
@@ -129,11 +136,22 @@ class SearchEnv:
 
     @property
     def needs_history(self) -> bool:
-        """True when :meth:`step` needs each trajectory's earlier steps (the ``format`` reward)."""
-        return self.metric == "format"
+        """True when :meth:`step` needs each trajectory's earlier steps (the ``format`` reward,
+        reward functions)."""
+        return self.metric == "format" or self.rewards is not None
+
+    @property
+    def binary_reward(self) -> bool:
+        """Rewards are 0/1: exact or substring match."""
+        return self.rewards.binary if self.rewards is not None else self.metric in ("em", "sub_em")
 
     def answer_reward(self, task: Task, step: str, answer: str, history: History | None) -> float:
         """Reward of a trajectory that ends with ``answer`` in ``step``."""
+        if self.rewards is not None:
+            completion = [m for s, o in history or () for m in search_messages(s, o)]
+            completion += [{"role": "assistant", "content": answer}]
+            prompt = [{"role": "user", "content": self.prompt(task)}]
+            return self.rewards.score([task], [prompt], [completion])[0][0]
         if self.metric != "format":
             return self._metric(answer, task.answers)
         return format_score(trajectory_text(history or (), step), answer, task.answers)
@@ -204,6 +222,23 @@ class SearchEnv:
                     info={"query": q},
                 )
         return [o for o in out if o is not None]
+
+
+def reward_options(reward: Sequence[str], weights: Sequence[float] | None = None) -> dict[str, Any]:
+    """:class:`SearchEnv` keyword arguments for a run's ``reward`` setting: one built-in reward as
+    ``metric``, anything else as reward functions."""
+    if len(reward) == 1 and reward[0] in REWARDS and not weights:
+        return {"metric": reward[0]}
+    return {"rewards": RewardSet.of(list(reward), weights)}
+
+
+def search_messages(step: str, observation: str | None) -> list[dict[str, str]]:
+    """One search step as chat messages (for reward functions): the step as an assistant turn, its
+    observation as a tool result."""
+    out = [{"role": "assistant", "content": step}]
+    if observation:
+        out.append({"role": "tool", "content": observation.strip()})
+    return out
 
 
 def trajectory_text(history: History, last_step: str = "") -> str:

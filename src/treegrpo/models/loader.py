@@ -145,6 +145,18 @@ def load_pretrained(
     return LoadedModel(folder, model, tokenizer, tiny_info(folder))
 
 
+def loaded_objects(model: torch.nn.Module, tokenizer: Any, device: str | torch.device = "cpu") -> LoadedModel:
+    """A model and tokenizer a caller already holds, set up as :func:`load_pretrained` sets up its
+    own: left padding, a pad token, on ``device``. Its folder is the model's ``name_or_path``."""
+    if tokenizer is None:
+        raise ModelLoadError("a model object needs its tokenizer: pass tokenizer= (the model's own)")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    folder = Path(getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "") or ".")
+    return LoadedModel(folder, model.to(device), tokenizer, tiny_info(folder) if folder.is_dir() else {})
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
@@ -159,6 +171,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "load_tokenizer",
+    "loaded_objects",
     "resolve_model_ref",
     "tiny_info",
 ]

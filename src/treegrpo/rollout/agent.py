@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from treegrpo.envs.base import AgentEnv, StepOutcome, Task
+from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env, check_outcomes
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, Generation, SamplingParams
@@ -160,6 +160,7 @@ class StepRunner:
     """Set when the context budget was capped by the engine (:func:`fit_context_to_engine`)."""
 
     def __post_init__(self) -> None:
+        check_env(self.env)  # the contract, before anything runs: one line naming the env and the fix
         self.cfg, self.context_note = fit_context_to_engine(self.cfg, self.engine)
         stop_ids: list[int] = []
         stop_strings: list[str] = []
@@ -177,6 +178,9 @@ class StepRunner:
             stop_strings=tuple(stop_strings),
         )
         self.obs_turn = observation_turn(self.tokenizer) if self.cfg.obs_format == "chat" else ("", "")
+        self.turns_end_at_eos = bool(getattr(self.env, "turns_end_at_eos", False))
+        """The env's turns end at the model's end-of-turn token (a native tool protocol): EOS is
+        the normal end of a step, and the env, not the loop, decides whether the trajectory goes on."""
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
@@ -242,6 +246,7 @@ class StepRunner:
         context budget) in a leaf with no tokens: finish reason ``length``, the env's reward for
         an unanswered trajectory, counted in ``budget.context_overflows``. Nothing is generated."""
         budget.context_overflows += 1
+        reward, info = self.end_reward(tree, parent_id, task, "")
         return tree.add(
             Node(
                 id=tree.next_id(),
@@ -250,10 +255,26 @@ class StepRunner:
                 tokens=[],
                 policy_mask=[],
                 logprobs=[],
-                reward=float(self.env.score(task, "")),
-                extra={"kind": "overflow", "turn": turn, "finish_reason": "length"},
+                reward=reward,
+                extra={"kind": "overflow", "turn": turn, "finish_reason": "length", **info},
             )
         )
+
+    def end_reward(self, tree: Tree, parent_id: int, task: Task, text: str, state: Any = None) -> tuple[float, dict[str, Any]]:
+        """The reward (and node info) of a trajectory the loop ends itself after ``text`` (turn,
+        context or EOS without an action): the env's ``score_outcome`` when it has one (it sees the
+        trajectory's messages so far), else its ``score``."""
+        fn = getattr(self.env, "score_outcome", None)
+        if fn is None:
+            return float(self.env.score(task, text)), {}
+        kwargs = {"state": state} if state is not None else {}
+        reward, info = fn(task, text, self.messages(tree, parent_id), **kwargs)
+        return float(reward), dict(info)
+
+    @staticmethod
+    def messages(tree: Tree, node_id: int) -> list[dict[str, Any]]:
+        """The chat messages of the path root → ``node_id``, as its steps' envs recorded them."""
+        return [m for n in tree.path(node_id)[1:] for m in n.extra.get("messages", ())]
 
     # -- the loop -------------------------------------------------------------------------------
     def run_turns(
@@ -312,22 +333,26 @@ class StepRunner:
             kwargs: dict[str, Any] = {}
             if getattr(self.env, "needs_history", False):  # e.g. a format-aware reward
                 kwargs["histories"] = [[(n.text, n.observation) for n in c.tree.path(c.parent_id)[1:]] for c in active]
+            if getattr(self.env, "needs_messages", False):  # reward functions read the trajectory as messages
+                kwargs["messages"] = [self.messages(c.tree, c.parent_id) for c in active]
             if keeper is not None:
                 kwargs["states"] = [c.state for c in active]
-            outcomes = self.env.step([c.task for c in active], texts, allowed, **kwargs)
+            outcomes = check_outcomes(self.env, self.env.step([c.task for c in active], texts, allowed, **kwargs), len(active))
             still: list[Cursor] = []
             for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
                 budgets[c.forest_index].count_step(g, out)
                 obs_ids: list[int] = []
                 obs_text = out.observation
-                done, reward = out.done, out.reward
-                if not done and g.finish_reason == "eos":  # the turn ended without an action (DESIGN §3.8):
-                    done, reward, obs_text = True, self.env.score(c.task, text), None  # nothing follows EOS
-                if not done:
+                done, reward, info = out.done, out.reward, dict(out.info)
+                ended = not done and g.finish_reason == "eos" and not self.turns_end_at_eos
+                if not done and not ended:
                     obs_text, obs_ids = self.observation_ids(out.observation or "")
                     room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
-                    if room > self.cfg.max_context_tokens:  # no room for another step: end here
-                        done, reward, obs_ids, obs_text = True, self.env.score(c.task, text), [], None
+                    ended = room > self.cfg.max_context_tokens  # no room for another step: end here
+                if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room
+                    reward, more = self.end_reward(c.tree, c.parent_id, c.task, text, c.state)
+                    done, obs_ids, obs_text = True, [], None
+                    info = {k: v for k, v in info.items() if k != "messages"} | more
                 node = Node(
                     id=c.tree.next_id(),
                     parent=c.parent_id,
@@ -342,7 +367,7 @@ class StepRunner:
                         "kind": out.kind,
                         "turn": c.turn + 1,
                         "finish_reason": g.finish_reason,
-                        **out.info,
+                        **info,
                     },
                 )
                 if out.retrieval_error:

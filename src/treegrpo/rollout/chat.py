@@ -31,6 +31,36 @@ OBS_ROLE = "user"
 _MARK = "\u2063OBSERVATION\u2063"
 
 
+def appended_text(
+    tokenizer: Any,
+    history: list[dict[str, Any]],
+    added: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    close: tuple[str, ...] | None = None,
+) -> str | None:
+    """The text the chat template appends to ``history`` (ending with an assistant message) when the
+    messages ``added`` follow it and the next assistant turn is opened (``add_generation_prompt``).
+
+    Where ``history``'s rendering stops: with ``close`` (end-of-turn token strings), right after the
+    last of them in the rendered history — the generated ids stop at that token, included (the
+    native tool protocol, :func:`treegrpo.rollout.toolcall.tool_turn_text`); without it, the
+    assistant turn is left open (``continue_final_message``) and the text returned closes it (the
+    ``chat`` observation format, :func:`observation_turn`). ``None`` when the template does not
+    render ``history`` as a prefix of the longer conversation (or ``close`` is not in it)."""
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
+    if close is None:
+        head = tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=False, **kw)
+    else:
+        head = tokenizer.apply_chat_template(history, tokenize=False, **kw)
+        cut = max((head.rfind(t) + len(t) for t in close if t and t in head), default=-1)
+        if cut < 0:
+            return None
+        head = head[:cut]
+    full = tokenizer.apply_chat_template([*history, *added], add_generation_prompt=True, tokenize=False, **kw)
+    return full[len(head) :] if full.startswith(head) else None
+
+
 def observation_turn(tokenizer: Any) -> tuple[str, str]:
     """The text ``(before, after)`` an observation in ``chat`` format: ``before`` closes the
     assistant turn and opens an observation turn, ``after`` closes it and opens the next
@@ -39,14 +69,11 @@ def observation_turn(tokenizer: Any) -> tuple[str, str]:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("obs_format=chat needs a tokenizer with a chat template; use obs_format=inline")
     history = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    head = tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=False)
-    full = tokenizer.apply_chat_template(
-        [*history, {"role": OBS_ROLE, "content": _MARK}], add_generation_prompt=True, tokenize=False
-    )
-    if not full.startswith(head) or full.count(_MARK) != 1:
+    text = appended_text(tokenizer, history, [{"role": OBS_ROLE, "content": _MARK}])
+    if text is None or text.count(_MARK) != 1:
         raise ConfigError(
             "obs_format=chat: this chat template does not render a conversation as a prefix of the same "
             "conversation with one more turn, so a trajectory cannot grow turn by turn; use obs_format=inline"
         )
-    before, _, after = full[len(head) :].partition(_MARK)
+    before, _, after = text.partition(_MARK)
     return before, after

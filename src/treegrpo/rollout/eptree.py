@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from treegrpo.envs.base import Task
+from treegrpo.envs.base import Task, check_outcomes
 from treegrpo.rollout.agent import Budget, RolloutResult, StepRunner
 from treegrpo.rollout.engine import SamplingParams, release_engine_cache
 from treegrpo.rollout.sampling import SamplerConfig
@@ -250,7 +250,7 @@ def _grow(
         for r, g in zip(requests, gens, strict=True)
     ]
     req_tasks = [tasks[r.forest_index] for r in requests]
-    outcomes = runner.env.step(req_tasks, texts, [False] * len(requests))
+    outcomes = check_outcomes(runner.env, runner.env.step(req_tasks, texts, [False] * len(requests)), len(requests))
     for r, g, task, text, out in zip(requests, gens, req_tasks, texts, outcomes, strict=True):
         budgets[r.forest_index].count_step(g, out)
         reward = out.reward if out.done and out.reward is not None else runner.env.score(task, text)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.envs.base import Task
-from treegrpo.envs.search import SearchEnv
+from treegrpo.envs.search import SearchEnv, reward_options
 from treegrpo.errors import ConfigError
 from treegrpo.io import jsonl_objects
 from treegrpo.models.loader import LoadedModel
@@ -206,7 +206,7 @@ def search_env(cfg: TrainConfig, tiny: bool) -> SearchEnv:
     the tiny agent (``tiny``) and ``search_r1`` otherwise."""
     template = cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if tiny else "search_r1")
     retriever = make_retriever(corpus=cfg.corpus, url=cfg.retriever_url, allow_offline=cfg.allow_offline_retriever)
-    return SearchEnv(retriever, topk=cfg.topk, metric=cfg.reward, prompt_template=template)
+    return SearchEnv(retriever, topk=cfg.topk, **reward_options(cfg.reward, cfg.reward_weights), prompt_template=template)
 
 
 def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:

@@ -7,6 +7,7 @@ one line naming the field and the fix.
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -67,9 +68,27 @@ class TrainConfig(BaseModel):
         "search",
         description="search (agent with a retriever: the synthetic world or --data) | arith (single-turn multi-step arithmetic, its own problems and tiny starting policy) | sql (a database agent whose SQL statements read and write: a stateful tool, its own problems and tiny starting policy).",
     )
-    reward: Literal["em", "sub_em", "f1", "format"] = Field(
-        "em",
-        description="Reward: em | sub_em | f1 (answer only) | format (Search-R1's format-aware EM: 1 / 0.8 / 0.3 / 0.2 / 0.1 / 0).",
+    reward: list[str] = Field(
+        default_factory=lambda: ["em"],
+        description="Reward: em | sub_em | f1 (answer only) | format (search only: Search-R1's format-aware EM, 1 / 0.8 / 0.3 / 0.2 / 0.1 / 0) | package.module:function (a TRL-style reward function, docs/tools.md); several comma-separated are summed with reward_weights.",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="Weights of the reward functions, in order (default 1 each)."
+    )
+    env: str | None = Field(
+        None,
+        description="Your own environment: package.module:Class (or an env object or factory), importable from the working directory (docs/tools.md).",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Your own tools: package.module:function, comma-separated (type hints and an Args: docstring each), or one package.module:Class whose public methods are tools and whose instance is a trajectory's state (docs/tools.md).",
+    )
+    protocol: Literal["tags", "tools"] = Field(
+        "tags",
+        description="How the model calls tools: tags (the library's <tool_call>{json}</tool_call> text protocol, any model) | tools (the model's own chat template, tool-call syntax and tool role, docs/tools.md).",
+    )
+    tool_timeout_s: float | None = Field(
+        30.0, gt=0.0, description="A tool call running longer gets a time-out error as its result (null: no limit)."
     )
 
     # -- rollout -----------------------------------------------------------------------------------
@@ -284,6 +303,22 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{v!r}: MPS is not available on this machine; use device=cpu")
         return v
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_list(cls, v: Any) -> Any:
+        v = [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        if isinstance(v, list) and not v:
+            raise ValueError("name at least one reward (em, sub_em, f1, format or package.module:function)")
+        for r in v if isinstance(v, list) else ():
+            if isinstance(r, str) and r not in ("em", "sub_em", "f1", "format") and ":" not in r:
+                raise ValueError(f"unknown reward {r!r}; choose em, sub_em, f1, format or package.module:function")
+        return v
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_list(cls, v: Any) -> Any:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
     @field_validator("resume_override", "lora_target_modules", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
@@ -295,10 +330,18 @@ class TrainConfig(BaseModel):
             raise ValueError("give either --corpus or --retriever-url, not both")
         if (self.corpus or self.retriever_url) and not self.data:
             raise ValueError("--corpus/--retriever-url need --data (questions to train on)")
-        if self.data and not (self.corpus or self.retriever_url):
-            raise ValueError("--data needs a retriever: --corpus PATH or --retriever-url URL")
+        if self.data and not (self.corpus or self.retriever_url or self.env or self.tools):
+            raise ValueError("--data needs a retriever (--corpus PATH or --retriever-url URL), or your own --tools/--env")
         if self.task == "arith" and (self.data or self.corpus or self.retriever_url):
             raise ValueError("--task arith has its own problems: drop --data/--corpus/--retriever-url")
+        if self.env and self.tools:
+            raise ValueError("give either --env or --tools, not both (a tools env is made from the tools)")
+        if (self.env or self.tools) and self.task != "search":
+            raise ValueError(f"--task {self.task} has its own env: drop --env/--tools")
+        if "format" in self.reward and (len(self.reward) > 1 or self.env or self.tools):
+            raise ValueError("reward format is Search-R1's own score of the search protocol: use it alone, on --task search")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward)} rewards")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty: name the modules to adapt (e.g. all-linear)")
         if self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
@@ -419,11 +462,23 @@ def warn_single_leaf_groups(cfg: TrainConfig) -> None:
         warnings.warn(f"single-leaf advantage groups: {why}", UserWarning, stacklevel=2)
 
 
+def field_names() -> list[str]:
+    """Every name a config accepts: the fields and their aliases (``ts_m``, ``gigpo.mode`` …)."""
+    names = list(TrainConfig.model_fields)
+    for f in TrainConfig.model_fields.values():
+        alias = f.validation_alias
+        names += [a for a in getattr(alias, "choices", ()) if isinstance(a, str) and a not in names]
+    return names
+
+
 def _one_line(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc, field_names(), n=1, cutoff=0.6)
+            msg = f"no such setting (did you mean {close[0]}?)" if close else "no such setting (treegrpo train --help lists them)"
         parts.append(f"{loc}: {msg}" if e["loc"] else msg)
     return "invalid config — " + "; ".join(parts)
 

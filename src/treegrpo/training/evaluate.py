@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from treegrpo.envs.base import Task
+from treegrpo.envs.base import Task, declared_kinds
 from treegrpo.rollout.agent import StepRunner
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.tree import Tree
@@ -39,20 +40,25 @@ def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) ->
             torch.Generator().manual_seed(EVAL_SEED),
         )
         leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
+        kinds = action_kinds(runner.env)
         out[f"eval/well_formed_{name}"] = sum(
-            well_formed(f.trees[ti], leaf.id) for f in result.forests for ti, leaf in f.leaves()
+            well_formed(f.trees[ti], leaf.id, kinds) for f in result.forests for ti, leaf in f.leaves()
         ) / max(1, len(leaves))
         out[f"eval/success_{name}"] = sum(float(leaf.reward or 0.0) for leaf in leaves) / max(1, len(leaves))
         out[f"eval/tool_calls_{name}"] = result.total().tool_calls / max(1, len(leaves))
     return out
 
 
-def well_formed(tree: Tree, leaf_id: int) -> bool:
-    """A trajectory that followed the protocol: every step a valid action, ending in an answer."""
+def action_kinds(env: Any) -> tuple[str, ...]:
+    """The valid action kinds of ``env``: its declared ``actions`` (every kind but ``invalid``)."""
+    return tuple(k for k in declared_kinds(env) if k != "invalid")
+
+
+def well_formed(tree: Tree, leaf_id: int, kinds: Sequence[str] = ("search", "answer")) -> bool:
+    """A trajectory that followed the protocol: every step one of the env's valid action ``kinds``
+    (:func:`action_kinds`), ending in an answer."""
     steps = tree.path(leaf_id)[1:]
-    return bool(steps) and steps[-1].extra.get("kind") == "answer" and all(
-        n.extra.get("kind") in ("search", "answer") for n in steps
-    )
+    return bool(steps) and steps[-1].extra.get("kind") == "answer" and all(n.extra.get("kind") in kinds for n in steps)
 
 
 def headline(ev: dict[str, float]) -> float:
@@ -60,4 +66,4 @@ def headline(ev: dict[str, float]) -> float:
     return ev.get("eval/success_sampled", ev["eval/success_greedy"])
 
 
-__all__ = ["EVAL_SEED", "evaluate", "headline", "well_formed"]
+__all__ = ["EVAL_SEED", "action_kinds", "evaluate", "headline", "well_formed"]

@@ -18,7 +18,12 @@ def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
     solved_prompts = sum(any((leaf.reward or 0) > 0 for _, leaf in f.leaves()) for f in result.forests)
     # groups with a non-zero advantage signal: forests whose leaves disagree
     informative = sum(len({leaf.reward for _, leaf in f.leaves()}) > 1 for f in result.forests)
+    per_fn: dict[str, list[float]] = {}
+    for leaf in leaves:  # reward functions, each by name (ToolEnv, reward_funcs=[...])
+        for name, v in (leaf.extra.get("rewards") or {}).items():
+            per_fn.setdefault(name, []).append(float(v))
     return {
+        **{f"rewards/{name}": sum(v) / len(v) for name, v in per_fn.items()},  # TRL's key
         "reward/mean": sum(rewards) / max(1, len(rewards)),
         "reward/pass_at_group": solved_prompts / max(1, len(result.forests)),
         "rollout/trajectories": n_traj,
@@ -56,15 +61,23 @@ def fmt_eval(ev: dict[str, float]) -> str:
     return " · ".join(parts)
 
 
-def step_line(step: int, m: dict[str, float]) -> str:
-    """The console line of one training step (with held-out figures on evaluation steps)."""
+def eval_label(env: object) -> str:
+    """What held-out figures are called: ``success`` when the env's rewards are 0/1
+    (``binary_reward``), else ``reward`` (a mean of shaped rewards is not a success rate)."""
+    return "success" if getattr(env, "binary_reward", False) else "reward"
+
+
+def step_line(step: int, m: dict[str, float], label: str = "success") -> str:
+    """The console line of one training step (with held-out figures on evaluation steps; ``label``:
+    :func:`eval_label`)."""
     line = (
         f"step {step:4d} · reward {m['reward/mean']:.3f} · traj {int(m['rollout/trajectories'])} · "
         f"gen tok {int(m['budget/generated_tokens'])} · tools/traj {m['budget/tool_calls_per_traj']:.2f} · "
         f"turns {m['rollout/turns_mean']:.2f} · {m['time/rollout_s']:.1f}s+{m['time/update_s']:.1f}s"
     )
     if "eval/success_greedy" in m:
-        line += f" · [bold]held-out {fmt_eval(m)}[/]"
+        word = "" if label == "success" else f"{label} "
+        line += f" · [bold]held-out {word}{fmt_eval(m)}[/]"
     return line
 
 
@@ -88,4 +101,4 @@ def step_warnings(m: dict[str, float]) -> list[str]:
     return out
 
 
-__all__ = ["fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings"]
+__all__ = ["eval_label", "fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings"]

@@ -7,6 +7,7 @@ comes from when no ``--model`` is given and builds the env and questions; the mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,13 @@ from typing import Any
 import torch
 
 from treegrpo.envs.base import AgentEnv, Task
-from treegrpo.models.loader import MARKER_FILE, load_pretrained
+from treegrpo.envs.reward_fns import RewardSet
+from treegrpo.envs.search import SearchEnv
+from treegrpo.errors import ConfigError
+from treegrpo.models.loader import MARKER_FILE, LoadedModel, load_pretrained
 from treegrpo.rollout.agent import AgentConfig
+from treegrpo.tasks.custom import CUSTOM, UserObjects
+from treegrpo.tasks.custom import source as custom_source
 from treegrpo.tasks.registry import task_family
 from treegrpo.training.config import REAL_LIMITS, TINY_LIMITS, TrainConfig
 from treegrpo.training.warmup import WARMUP_RECORD
@@ -66,18 +72,34 @@ def agent_config(
     return AgentConfig(**limits, temperature=cfg.temperature, top_p=cfg.top_p, obs_format=obs_format)
 
 
-def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
+def build_run(
+    cfg: TrainConfig,
+    model_dir: Path | None = None,
+    user: UserObjects | None = None,
+    loaded: LoadedModel | None = None,
+    need_data: bool = True,
+) -> RunParts:
     """Load the model (the task family's starting policy when no model is given) and the task's
-    env and questions."""
+    env and questions. ``user``: a Python caller's env, tools and reward functions (the CLI names
+    them in ``cfg``); ``loaded``: a model and tokenizer the caller already holds; ``need_data``
+    False: your own tools may come without training questions (a warm-up on demonstrations)."""
     family = task_family(cfg)
-    if model_dir is None:
-        model_dir = family.starting_model(cfg) if cfg.model is None else Path(cfg.model)
-    loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
-    src = family.source(cfg, loaded)
+    if loaded is None:
+        if model_dir is None:
+            model_dir = family.starting_model(cfg) if cfg.model is None else Path(cfg.model)
+        loaded = load_pretrained(model_dir, device=cfg.device, dtype=getattr(torch, cfg.dtype))
+    if family is CUSTOM:
+        src = custom_source(cfg, loaded, user, need_data)
+    else:
+        src = family.source(cfg, loaded)
+        if user is not None and user.rewards:  # reward functions for a built-in search task
+            src.env = with_reward_functions(src.env, RewardSet.of(list(user.rewards), cfg.reward_weights))
     max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
-    agent_cfg = src.agent or agent_config(
-        cfg, loaded.info.get("agent") or _warmup_agent(loaded.folder), max_positions, tiny=loaded.is_tiny
-    )
+    recorded = loaded.info.get("agent") or _warmup_agent(loaded.folder)
+    if src.agent is not None:  # a family's own loop settings, with what the user set on top
+        agent_cfg = user_agent_fields(src.agent, cfg)
+    else:
+        agent_cfg = agent_config(cfg, recorded, max_positions, tiny=loaded.is_tiny)
     extra = {MARKER_FILE: (loaded.folder / MARKER_FILE).read_text()} if loaded.is_tiny else {}
     return RunParts(
         model_dir=loaded.folder,
@@ -90,6 +112,33 @@ def build_run(cfg: TrainConfig, model_dir: Path | None = None) -> RunParts:
         extra_files=extra,
         info=loaded.info,
     )
+
+
+def user_agent_fields(agent: AgentConfig, cfg: TrainConfig) -> AgentConfig:
+    """``agent`` (a task family's fixed loop settings) with every field the user set in ``cfg``
+    on top: what a caller passes is what runs."""
+    fields = {f.name for f in dataclasses.fields(AgentConfig)} & cfg.model_fields_set
+    update = {k: getattr(cfg, k) for k in fields if getattr(cfg, k) != "auto"}
+    return dataclasses.replace(agent, **update) if update else agent
+
+
+def recorded_agent_fields(cfg: TrainConfig, agent: AgentConfig) -> TrainConfig:
+    """``cfg`` with the loop settings the run really uses (``agent``: a family's fixed settings or
+    a model folder's taught limits) in the fields the user left unset, so ``config.json`` records
+    what ran (a set field already equals ``agent``'s: :func:`user_agent_fields`)."""
+    fields = ("max_turns", "max_obs_tokens", "temperature", "top_p", "obs_format")
+    update = {k: getattr(agent, k) for k in fields if k not in cfg.model_fields_set and getattr(cfg, k) != getattr(agent, k)}
+    if not update:
+        return cfg
+    return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})
+
+
+def with_reward_functions(env: AgentEnv, rewards: RewardSet) -> AgentEnv:
+    """A built-in search env that scores answers with ``rewards`` (reward functions apply to the
+    search task and to tools; the other tasks score themselves)."""
+    if not isinstance(env, SearchEnv):
+        raise ConfigError(f"reward functions apply to tools and the search task, not to {type(env).__name__}")
+    return dataclasses.replace(env, rewards=rewards)
 
 
 def _warmup_agent(folder: Path) -> dict[str, Any] | None:

@@ -21,10 +21,11 @@ from treegrpo.algos.gigpo import shared_anchor_stats
 from treegrpo.algos.losses import LossConfig
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
-from treegrpo.models.loader import MARKER_FILE
+from treegrpo.models.loader import MARKER_FILE, LoadedModel
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+from treegrpo.tasks.custom import UserObjects
 from treegrpo.training.checkpoint import (
     CHECKPOINT_DIR,
     Checkpoint,
@@ -41,9 +42,16 @@ from treegrpo.training.memory import return_freed_memory
 from treegrpo.training.metrics import MetricsLogger, peak_rss_gb
 from treegrpo.training.monitors import check_step
 from treegrpo.training.policy import Policy
-from treegrpo.training.report import fmt_eval, rollout_metrics, run_shape, step_line, step_warnings
+from treegrpo.training.report import (
+    eval_label,
+    fmt_eval,
+    rollout_metrics,
+    run_shape,
+    step_line,
+    step_warnings,
+)
 from treegrpo.training.schedule import lr_at, set_lr
-from treegrpo.training.setup import RunParts, build_run
+from treegrpo.training.setup import RunParts, build_run, recorded_agent_fields
 from treegrpo.training.update import update
 from treegrpo.tree import write_forests
 
@@ -67,6 +75,8 @@ class TrainSummary:
     rollout_s: float
     update_s: float
     em_curve: list[list[float]]
+    eval_label: str = "success"
+    """``success`` when the rewards are 0/1, else ``reward``: what the held-out figures are."""
 
     @property
     def trajectories_per_1k_tokens(self) -> float:
@@ -100,7 +110,7 @@ class TrainSummary:
         """A written ``summary.json``, or None when it is missing or unreadable."""
         try:
             d = json.loads(Path(path).read_text())
-            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is dataclasses.MISSING})
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -110,10 +120,14 @@ def train(
     console: Console | None = None,
     parts: RunParts | None = None,
     eval_start: dict[str, float] | None = None,
+    user: UserObjects | None = None,
+    loaded: LoadedModel | None = None,
 ) -> TrainSummary:
-    """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given;
-    ``eval_start`` is the starting policy's held-out evaluation when the caller already has it
-    (evaluation is deterministic, so runs from one model can share it)."""
+    """Run ``cfg``. ``parts`` (model, env, questions) are built from ``cfg`` unless given —
+    with a Python caller's env, tools and rewards (``user``) and model (``loaded``), see
+    :func:`~treegrpo.training.setup.build_run`; ``eval_start`` is the starting policy's held-out
+    evaluation when the caller already has it (evaluation is deterministic, so runs from one model
+    can share it)."""
     par = Parallel.from_env(cfg.parallel, cfg.device)  # one process, or this rank of torchrun's job
     warn_single_leaf_groups(cfg)  # their advantage has no baseline
     console = (console or Console(soft_wrap=True)) if par.main else Console(quiet=True)
@@ -133,12 +147,14 @@ def train(
     return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see training/memory.py
 
     # -- the pieces ------------------------------------------------------------------------------
-    parts = parts or par.main_first(lambda: build_run(cfg))  # the model in cfg.dtype; rank 0 bootstraps
+    parts = parts or par.main_first(lambda: build_run(cfg, user=user, loaded=loaded))  # rank 0 bootstraps
     limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
+    cfg = recorded_agent_fields(cfg, parts.agent_cfg)  # config.json says what runs
     policy, tok = Policy.build(parts.model, cfg, par), parts.tokenizer  # LoRA, reference, DDP/FSDP2
     engine = make_engine(cfg.engine, policy.rollout_module(), tok, device=cfg.device, **cfg.engine_options)
     runner = StepRunner(engine, parts.env, tok, parts.agent_cfg)
+    label = eval_label(parts.env)  # held-out "success" (0/1 rewards) or "reward"
     if runner.context_note:  # the engine's max_model_len is below the context budget
         console.print(runner.context_note)
     sampler = get_sampler(cfg.sampler)
@@ -180,7 +196,7 @@ def train(
         run.last_eval = run.eval_start
         run.em_curve.append([0, headline(run.eval_start)])
         logger.log(0, run.eval_start)
-        console.print(f"step {0:4d} · held-out success {fmt_eval(run.eval_start)}")
+        console.print(f"step {0:4d} · held-out {label} {fmt_eval(run.eval_start)}")
 
     # -- the loop --------------------------------------------------------------------------------
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -250,7 +266,7 @@ def train(
                     score_forest(f, estimator, adv_cfg)
                     f.extra["budget"] = b.to_dict()  # what this prompt's rollout cost (the viewer shows it)
                 write_forests(everything.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
-            console.print(step_line(step, metrics))
+            console.print(step_line(step, metrics, label))
             for warning in step_warnings(metrics) + alerts:
                 console.print(warning, markup=False, style="yellow")
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
@@ -260,7 +276,7 @@ def train(
             progress.advance(bar)
     logger.close()
     run.wall_s = wall_before + time.perf_counter() - t_start
-    summary = TrainSummary.of_run(out, cfg.steps, run)
+    summary = dataclasses.replace(TrainSummary.of_run(out, cfg.steps, run), eval_label=label)
     if par.main:
         atomic_write_json(out / "summary.json", summary.to_dict())
     par.close()

@@ -14,9 +14,11 @@ rate, greedy and sampled). The output folder is a ``from_pretrained`` folder —
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,14 @@ from rich.console import Console
 
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_dir
+from treegrpo.models.loader import LoadedModel
 from treegrpo.progress import progress_bars
 from treegrpo.rollout.agent import StepRunner
 from treegrpo.rollout.engine import make_engine
+from treegrpo.tasks.custom import UserObjects, is_custom
 from treegrpo.tasks.datafile import search_demos
 from treegrpo.training.config import TrainConfig
+from treegrpo.training.demo_file import read_demos
 from treegrpo.training.evaluate import evaluate
 from treegrpo.training.memory import return_freed_memory
 from treegrpo.training.setup import build_run
@@ -69,19 +74,41 @@ class WarmupRun:
     eval_prompts: int = 32
     seed: int = 0
     log_every: int = 0
+    demos_file: Path | Sequence[Mapping[str, Any]] | None = None
+    """Your own demonstrations (a JSONL/parquet file or records, :mod:`treegrpo.training.demo_file`)
+    instead of the search task's made ones."""
 
 
-def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None) -> dict[str, Any]:
-    """Warm ``cfg.model`` up (see the module docstring); returns the record written with it."""
+def sft_recipe(epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 4) -> WarmupConfig:
+    """:data:`REAL_MODEL_SFT` with these passes, learning rate and batch size."""
+    return dataclasses.replace(REAL_MODEL_SFT, epochs=epochs, lr=lr, batch_size=batch_size)
+
+
+def run_warmup(
+    cfg: TrainConfig,
+    run: WarmupRun,
+    console: Console | None = None,
+    user: UserObjects | None = None,
+    loaded: LoadedModel | None = None,
+) -> dict[str, Any]:
+    """Warm ``cfg.model`` up (see the module docstring) on ``run.demos_file`` (your own
+    demonstrations, for any env or tools: ``user`` holds a Python caller's objects) or on search
+    demos made from ``cfg.data``; returns the record written with it."""
     console = console or Console(soft_wrap=True)
-    if not cfg.data:
-        raise ConfigError("warmup needs questions and a retriever: --data Q (e.g. wiki-vital-qa) --corpus C")
+    if run.demos_file is None and (is_custom(cfg, user) or not cfg.data):
+        raise ConfigError(
+            "warmup needs demonstrations: --demos demos.jsonl (your own, docs/tools.md), or for the search task "
+            "--data Q (e.g. wiki-vital-qa) --corpus C to make them"
+        )
     t0 = time.perf_counter()
     return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see training/memory.py
-    parts = build_run(cfg)
+    parts = build_run(cfg, user=user, loaded=loaded, need_data=run.demos_file is None)
     model, tok = parts.model, parts.tokenizer
     env = parts.env
-    demos = search_demos(parts.train_tasks[: run.demos], env)  # type: ignore[arg-type]
+    if run.demos_file is not None:
+        demos = read_demos(env, run.demos_file, parts.agent_cfg.max_turns)
+    else:
+        demos = search_demos(parts.train_tasks[: run.demos], env)  # type: ignore[arg-type]
     if not demos:
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
@@ -99,11 +126,12 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
     if runner.context_note:  # the engine's max_model_len is below the context budget
         console.print(runner.context_note)
     eval_tasks = parts.eval_tasks[: run.eval_prompts]
-    console.print(
-        f"[bold]warmup[/] {parts.model_dir} · {len(encoded)} demos of {min(run.demos, len(parts.train_tasks))} "
-        f"questions · {len(eval_tasks)} held-out"
-    )
-    before = evaluate(runner, eval_tasks, cfg.eval_sampled)
+    asked = len(demos) if run.demos_file is not None else min(run.demos, len(parts.train_tasks))
+    console.print(f"[bold]warmup[/] {parts.model_dir} · {len(encoded)} demos of {asked} · {len(eval_tasks)} held-out")
+    measure = (lambda: evaluate(runner, eval_tasks, cfg.eval_sampled)) if eval_tasks else dict
+    if not eval_tasks:
+        console.print("no held-out questions to measure: give --eval-data (or --data) to see the warm-up's effect")
+    before = measure()
     console.print(f"before: {_fmt(before)}")
     steps = sft_steps(len(encoded), run.sft)
     every = run.log_every or max(1, steps // 20)
@@ -114,7 +142,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
             model, encoded, run.sft, tok.pad_token_id, random.Random(run.seed), prog, say=say, say_every=every
         )
     runner.engine.load_weights(model)
-    after = evaluate(runner, eval_tasks, cfg.eval_sampled)
+    after = measure()
     console.print(f"after:  {_fmt(after)}")
     record = {
         "model": str(parts.model_dir),
@@ -122,6 +150,7 @@ def run_warmup(cfg: TrainConfig, run: WarmupRun, console: Console | None = None)
         "corpus": cfg.corpus,
         "retriever_url": cfg.retriever_url,
         "demos": len(encoded),
+        "demos_file": str(run.demos_file) if isinstance(run.demos_file, str | Path) else None,
         "demos_over_step_cap": too_long,
         "demos_asked": run.demos,
         "eval_prompts": len(eval_tasks),

@@ -32,6 +32,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.tasks.common import SPLITS, ProblemSet, Settings
@@ -172,6 +173,8 @@ class ArithEnv:
 
     prompt_template: str = PROMPT
     stop_strings: tuple[str, ...] = (ANSWER_END,)
+    actions: ClassVar[dict[str, str | None]] = {"answer": ANSWER_END}
+    binary_reward: ClassVar[bool] = True
     answer_start: str = ANSWER_START
     metric: str = "exact_int"
 

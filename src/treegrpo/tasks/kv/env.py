@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.envs.state import STATE_MODES, StepEachState
@@ -97,6 +98,7 @@ class KVEnv(StepEachState):
 
     state_mode: str = "snapshot"
     stop_strings: tuple[str, ...] = ("</kv>", "</answer>")
+    actions: ClassVar[dict[str, str | None]] = {"kv": "</kv>", "answer": "</answer>"}
     answer_start: str = "<answer>"
     open_states: int = field(default=0, init=False)
     """Handles obtained and not yet closed (a leak check for tests)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.envs.state import StepEachState
@@ -54,6 +55,8 @@ class SqlEnv(StepEachState):
     cache_size: int = 512
     pool_size: int = 256
     stop_strings: tuple[str, ...] = ("</sql>", "</answer>")
+    actions: ClassVar[dict[str, str | None]] = {"sql": "</sql>", "answer": "</answer>"}
+    binary_reward: ClassVar[bool] = True
     answer_start: str = "<answer>"
     open_states: int = field(default=0, init=False)
     """Handles obtained and not yet closed (a leak check for tests)."""

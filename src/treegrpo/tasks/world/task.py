@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from treegrpo.envs.search import SearchEnv
+from treegrpo.envs.search import SearchEnv, reward_options
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import LoadedModel
 from treegrpo.retrieval.bm25 import BM25Retriever
@@ -39,7 +39,7 @@ def source(cfg: TrainConfig, model: LoadedModel) -> TaskSource:
         wcfg = dataclasses.replace(wcfg, seed=cfg.world_seed)
     world = build_world(wcfg)
     template = "minimal" if cfg.prompt_template == "auto" else cfg.prompt_template
-    env = SearchEnv(BM25Retriever(world.corpus), topk=cfg.topk, metric=cfg.reward, prompt_template=template)
+    env = SearchEnv(BM25Retriever(world.corpus), topk=cfg.topk, **reward_options(cfg.reward, cfg.reward_weights), prompt_template=template)
     return TaskSource(env, world.tasks("train"), world.tasks("eval"))
 
 

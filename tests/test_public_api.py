@@ -1,0 +1,108 @@
+"""The public surface (treegrpo.__all__, treegrpo.train): what a caller passes is what runs and
+what config.json records, the run folder is the CLI's, and no public name is a subpackage's."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import treegrpo
+from treegrpo.errors import ConfigError
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def reward(completions, answer, **kwargs) -> list[float]:
+    return [float(c[-1]["content"].strip() == str(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+ROWS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
+FAST = {"steps": 1, "prompts_per_step": 2, "eval_prompts": 2, "eval_sampled": False, "max_step_tokens": 8, "max_turns": 1, "threads": 1}
+
+
+def test_every_public_name_loads_and_none_is_a_subpackage() -> None:
+    submodules = {m.name.split(".")[1] for m in pkgutil.walk_packages(treegrpo.__path__, "treegrpo.")}
+    for name in treegrpo.__all__:
+        assert getattr(treegrpo, name) is not None
+        assert name not in submodules, f"treegrpo.{name} is both a public name and a module"
+    for m in pkgutil.walk_packages(treegrpo.__path__, "treegrpo."):
+        importlib.import_module(m.name)  # importing every submodule rebinds nothing public
+    assert callable(treegrpo.train) and treegrpo.train.__module__ == "treegrpo.api"
+    from treegrpo import train
+
+    assert train is treegrpo.train
+
+
+def test_train_from_python_writes_the_run_folder_and_records_what_ran(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    s = treegrpo.train(
+        str(tiny_model_dir), train_data=ROWS, tools=[add], reward_funcs=[reward], sampler="chain", group_size=2,
+        out_dir=str(out), **FAST,
+    )  # fmt: skip
+    assert s.steps == 1 and s.trajectories == 4 and s.eval_label == "reward"  # a user reward: not called success
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tools"] == [f"{__name__}:add"] and cfg["reward"] == [f"{__name__}:reward"]
+    assert cfg["sampler"] == "chain" and cfg["group_size"] == 2 and cfg["eval_prompts"] == 2
+    assert cfg["data"] == str(out / "data" / "train.jsonl")  # the rows, written into the run folder
+    rows = [json.loads(x) for x in (out / "data" / "train.jsonl").read_text().splitlines()]
+    assert rows == ROWS
+    assert {p.name for p in out.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json", "checkpoint", "rollouts"}
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "rewards/reward" in metrics[-1]  # each reward function logged by name
+    assert json.loads((out / "summary.json").read_text())["eval_label"] == "reward"
+    held = metrics[0]
+    assert held["eval/success_greedy"] >= 0.0 and s.eval_start == {k: v for k, v in held.items() if k.startswith("eval/")}
+
+
+def test_the_tree_sampler_and_eval_prompts_on_given_eval_data(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tree"
+    s = treegrpo.train(
+        tiny_model_dir, train_data=ROWS, eval_data=ROWS[:5], tools=[add], reward_funcs="em", m=1, n=2, l=1,
+        out_dir=str(out), **{**FAST, "eval_prompts": 3},
+    )  # fmt: skip
+    assert s.trajectories == 2 * 3 and s.eval_label == "success"  # em is 0/1
+    assert len(json.loads((out / "rollouts" / "step_00001.jsonl").read_text().splitlines()[0])["trees"]) == 1
+    ev = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert ev["eval/success_greedy"] * 3 == pytest.approx(round(ev["eval/success_greedy"] * 3))  # 3 questions, not 5
+
+
+def test_family_loop_settings_the_user_set_win_and_are_recorded(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A setting passed is the setting run: temperature and top_p set by the caller reach the loop,
+    and an unset obs_format is recorded as the one that ran."""
+    out = tmp_path / "settings"
+    treegrpo.train(tiny_model_dir, train_data=ROWS, tools=[add], out_dir=str(out), sampler="chain", group_size=2,
+                   temperature=0.7, top_p=0.9, **FAST)  # fmt: skip
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["temperature"], cfg["top_p"], cfg["obs_format"]) == (0.7, 0.9, "inline")
+
+
+def test_bad_input_is_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def run(**kw: object) -> str:
+        with pytest.raises(ConfigError) as e:
+            treegrpo.train(tiny_model_dir, out_dir=str(tmp_path / "bad"), **{**FAST, **kw})  # type: ignore[arg-type]
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "stpes: no such setting (did you mean steps?)" in run(train_data=ROWS, tools=[add], stpes=3)
+    assert "give a list of dicts" in run(train_data=42, tools=[add])
+    assert "no question" in run(train_data=[{"q": "x"}] * 3, tools=[add])
+    assert "no row has one" in run(train_data=[{"question": "x"}] * 3, tools=[add])  # em without answers
+    assert "need a model" in treegrpo_error(lambda: treegrpo.train(train_data=ROWS, tools=[add], out_dir=str(tmp_path / "m"), **FAST))
+
+
+def treegrpo_error(fn) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn()
+    return str(e.value)
