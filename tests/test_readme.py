@@ -160,7 +160,7 @@ def check_pip(args: list[str], locked: bool) -> list[str]:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = set(pyproject["project"]["optional-dependencies"])
     pins = dict(
-        line.strip().lower().replace("_", "-").split("==", 1)
+        line.split("#", 1)[0].strip().lower().replace("_", "-").split("==", 1)
         for line in (ROOT / "constraints.txt").read_text().splitlines()
         if "==" in line and not line.startswith("#")
     )

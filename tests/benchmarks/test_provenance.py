@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from treegrpo.benchmarks.provenance import invocation, model_hash, provenance, source_commit
+from treegrpo.benchmarks.provenance import cpu_model, invocation, model_hash, provenance, source_commit
 
 
 def _model_folder(root: Path) -> Path:
@@ -75,13 +75,44 @@ def test_command_is_shell_quoted_exactly(tmp_path: Path) -> None:
     assert shlex.split(p["command"]) == argv
     assert provenance(["treegrpo", "bench", "budget"])["command"] == "treegrpo bench budget"
     assert provenance()["command"] == shlex.join(invocation())
-    assert set(p) == {"command", "model", "model_hash", "commit", "dirty", "treegrpo", "versions"}
+    assert set(p) == {"command", "model", "model_hash", "commit", "dirty", "treegrpo", "versions", "cpu",
+                      "torch_cpu_capability", "torch_threads"}  # fmt: skip
     v = p["versions"]
     assert set(v) == {"python", "torch", "transformers", "tokenizers", "numpy", "bm25s", "peft", "vllm", "trl", "accelerate"}
     assert v["torch"] == importlib.metadata.version("torch") and v["numpy"] == importlib.metadata.version("numpy")
     assert v["python"] == platform.python_version()
     assert p["model"] is None and p["model_hash"] is None
     json.dumps(p)
+
+
+def test_cpu_model_from_cpuinfo_else_the_platform(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor  \n"
+                    "\nprocessor\t: 1\nmodel name\t: another\n")  # fmt: skip
+    assert cpu_model(info) == "AMD EPYC 9R14 96-Core Processor"  # the first one, stripped
+    monkeypatch.setattr(platform, "processor", lambda: "aarch64")
+    info.write_text("processor\t: 0\nCPU part\t: 0xd0c\n")  # no model name (an ARM kernel)
+    assert cpu_model(info) == "aarch64"
+    assert cpu_model(tmp_path / "absent") == "aarch64"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert cpu_model(info) is None
+
+
+def test_the_cpu_torch_runs_on_and_its_threads_are_recorded() -> None:
+    """The CPU model, torch's CPU capability and thread count, beside the versions: the current
+    count, or the one the caller measured with."""
+    import torch
+
+    p = provenance(["x"])
+    assert p["cpu"] == cpu_model() and (p["cpu"] is None or p["cpu"].strip() == p["cpu"] != "")
+    assert p["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert provenance(["x"])["torch_threads"] == 1
+        assert provenance(["x"], threads=3)["torch_threads"] == 3  # the workers' count, given
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_several_models_are_recorded_by_name(tmp_path: Path) -> None:
@@ -156,3 +187,5 @@ def test_bench_budget_writes_provenance(tiny_model_dir: Path, tmp_path: Path) ->
     assert p["model_hash"] == model_hash(folder) == model_hash(tiny_model_dir)
     assert (p["commit"], p["dirty"]) == source_commit()
     assert [r["mode"] for r in doc["rows"]] == ["chain", "chain"]  # the run itself is unchanged
+    assert p["torch_threads"] == doc["meta"]["torch_threads"] == 1  # measured on one thread (the default)
+    assert p["cpu"] == cpu_model()

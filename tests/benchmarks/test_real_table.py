@@ -13,8 +13,29 @@ import pytest
 from treegrpo.benchmarks.learn_spec import ROW_KEYS
 from treegrpo.benchmarks.real_table import EXTRA_KEYS, TableSpec, paired, run_folder, run_table
 from treegrpo.errors import ConfigError
+from treegrpo.tree import read_forests
 
 LIMITS = {"max_turns": 1, "max_step_tokens": 16, "max_obs_tokens": 64, "max_context_tokens": 512}
+
+
+def _forests(run_dir: Path) -> list[list[Any]]:
+    return [read_forests(f) for f in sorted((run_dir / "rollouts").glob("step_*.jsonl"))]
+
+
+def trained_on(run_dir: Path) -> list[str]:
+    """Every step's prompt ids, as the trainer logged them (``rollout/prompt_ids``)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [i for m in rows if "rollout/prompt_ids" in m for i in m["rollout/prompt_ids"]]
+
+
+def forest_prompts(run_dir: Path) -> list[str]:
+    """Every step's forests' prompt ids, in order (the run dumped every step)."""
+    return [f.prompt_id for fs in _forests(run_dir) for f in fs]
+
+
+def informative(run_dir: Path) -> list[float]:
+    """Per step, the fraction of its forests whose leaves' rewards are not all equal."""
+    return [sum(len({leaf.reward for _, leaf in f.leaves()}) > 1 for f in fs) / len(fs) for fs in _forests(run_dir)]
 
 
 def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
@@ -30,17 +51,16 @@ def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) 
     assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS for r in rows)
     assert len(res["eval_ids"]) == 2 and all(r["eval_prompts"] == 2 for r in rows)
     chain, tree = rows  # a pair: the same prompts, the same start
-    trained = [  # every step's forests, in order: what the run really trained on
-        json.loads(x)["prompt_id"] for f in sorted((Path(chain["run_dir"]) / "rollouts").glob("step_*.jsonl"))
-        for x in f.read_text().splitlines()
-    ]  # fmt: skip
-    assert chain["prompt_ids"] == tree["prompt_ids"] == trained and len(trained) == 4
+    for r in rows:  # each run's row holds what that run trained on: every step's prompts, in order
+        assert r["prompt_ids"] == trained_on(Path(r["run_dir"])) == forest_prompts(Path(r["run_dir"]))
+    assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 4
     assert chain["em_start"] == tree["em_start"] == res["eval_start"]["eval/success_sampled"]
     assert chain["trajectories"] == 2 * 2 * 2 and tree["trajectories"] >= 2 * 2 * 2 and chain["generated_tokens"] > 0
-    for r in rows:  # one fraction per step: the prompts whose leaves disagree (the metrics' own figure)
+    for r in rows:  # one fraction per step: the prompts whose leaves disagree, counted on its forests
         steps = [json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()][1:]
         assert r["informative_groups"] == [round(m["rollout/informative_groups"], 4) for m in steps]
-        assert len(r["informative_groups"]) == spec.steps and all(x in (0.0, 1.0) for x in r["informative_groups"])
+        assert r["informative_groups"] == [round(x, 4) for x in informative(Path(r["run_dir"]))]
+        assert len(r["informative_groups"]) == spec.steps
     pair = res["paired"]["2"]["pairs"][0]
     assert pair["seed"] == 0 and pair["diff_sampled"] == tree["em_end"] - chain["em_end"]
     assert pair["generated_tokens_ratio"] == tree["generated_tokens"] / chain["generated_tokens"]

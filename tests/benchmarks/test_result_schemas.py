@@ -2,15 +2,23 @@
 ``benchmarks/results/*.json``: each bench runs on tiny, cheap settings (the fixture model, a few
 prompts, one or two steps) and its JSON is held against the committed file of the same bench.
 
-Compared: the top-level keys (a committed file made before provenance was recorded may lack
-``provenance``), the keys of every row (and their order), and for every key both documents have,
-the kind of value (object, list, number, string, boolean) all the way down; ``null`` matches
-anything (a figure that was not measured)."""
+Compared (:func:`shape_problems`), all the way down: the keys of every object — the document's
+exactly, a row's exactly and in order, any other object's at least (it may gain keys the committed
+file predates: a config field added since) — except the objects keyed by data (:data:`DATA_KEYED`:
+budgets, labels, worlds), whose values are each held against the committed ones; the kind of
+every value (object, list, number, string, boolean); *every* element of a list, each against the committed element it matches best
+(a list may mix kinds of entries: chain and tree phases); ``null`` only where the committed file
+has ``null`` too (a figure it did not measure) or where a tiny run cannot measure it
+(:data:`NULLABLE`); and no empty list where the committed one has entries (``rows: []`` is a
+failure), but where a tiny run has none to write (:data:`MAY_BE_EMPTY`); a key missing only where a
+tiny run does not measure it (:data:`MAY_LACK`). ``provenance`` is left to
+``test_provenance.py`` (a committed file made before a field was recorded lacks it)."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +27,24 @@ from typing import Any
 import pytest
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+#: Objects whose keys are data, not schema: labels, budgets, worlds (path patterns: ``*`` is any
+#: text within one key, ``[*]`` any list index). A tiny run has fewer of them.
+DATA_KEYED: tuple[str, ...] = (
+    "/summary", "/compare", "/models", "/start", "/checks/reuse_on_off_same_forests", "/targets/world *",
+    "/targets/world */tool_calls_per_traj_start_end", "/step_costs",
+)  # fmt: skip
+#: Where a tiny run may write ``null`` though the committed file has a value: a config field left
+#: unset, the fixture model is no bootstrapped agent (no config hash), and it calls no tool (no
+#: tool-call fractions or ratios).
+NULLABLE: tuple[str, ...] = (
+    "/config/*", "/settings/treegrpo_config/*", "/model/config_hash", "/models/*/config_hash", "/phases[*]/tool_fraction_expected",
+    "/phases[*]/tool_fraction_measured", "/phases[*]/tool_calls_per_traj_ratio_expected",
+    "/targets/*.tool_calls_per_traj_ratio/measured", "/targets/*.tool_calls_per_traj_ratio/pass",
+)  # fmt: skip
+#: Where a tiny run may write an empty list though the committed one has entries.
+MAY_BE_EMPTY: tuple[str, ...] = ()
+#: Keys a tiny run may lack: ``bench real``'s per-mode step costs (the test measures one mode).
+MAY_LACK: tuple[str, ...] = ("/checks/peak_rss_*",)
 
 
 def _kind(x: Any) -> str:
@@ -29,26 +55,62 @@ def _kind(x: Any) -> str:
     return next((k.__name__ for k in (str, dict, list) if isinstance(x, k)), type(x).__name__)
 
 
-def shape_problems(new: Any, old: Any, path: str = "") -> list[str]:
-    """Where ``new`` differs from ``old`` in keys or kinds of value (module docstring)."""
-    if new is None or old is None:
+def _at(path: str, patterns: tuple[str, ...]) -> bool:
+    """Whether ``path`` matches one of ``patterns`` (:data:`DATA_KEYED`)."""
+    generic = re.sub(r"\[\d+\]", "[*]", path)
+    for p in patterns:
+        parts = [re.escape(x).replace(r"\*", "[^/]*") for x in p.split("[*]")]
+        if re.fullmatch(re.escape("[*]").join(parts), generic):
+            return True
+    return False
+
+
+def _best(new: Any, olds: list[Any], path: str, entry: bool = False) -> list[str]:
+    """The problems of ``new`` against the committed element it matches best: for an object, one
+    with the most keys in common, then the fewest problems."""
+
+    def rank(o: Any) -> tuple[int, int]:
+        apart = len(set(new) ^ set(o)) if isinstance(new, dict) and isinstance(o, dict) else 0
+        return apart, len(shape_problems(new, o, path, entry))
+
+    return shape_problems(new, min(olds, key=rank), path, entry)
+
+
+def shape_problems(new: Any, old: Any, path: str = "", entry: bool = False) -> list[str]:
+    """Where ``new`` differs from ``old`` in keys, kinds of value, nulls or empty lists (module
+    docstring). ``entry``: ``new`` is an element of a list, whose keys must be exactly the
+    committed element's."""
+    where = path or "/"
+    if old is None:  # the committed file did not measure it
         return []
+    if new is None:
+        return [] if _at(path, NULLABLE) else [f"{where}: null where the committed file has {_kind(old)}"]
     if _kind(new) != _kind(old):
-        return [f"{path or '/'}: {_kind(new)} where the committed file has {_kind(old)}"]
+        return [f"{where}: {_kind(new)} where the committed file has {_kind(old)}"]
     out: list[str] = []
     if isinstance(old, dict):
-        if path == "":
-            missing, extra = set(old) - set(new), set(new) - set(old) - {"provenance"}
-            out += [f"/: key {k!r} missing" for k in sorted(missing)] + [
-                f"/: new key {k!r}" for k in sorted(extra)
-            ]
-        for k in old.keys() & new.keys():
+        if _at(path, DATA_KEYED):
+            for k, v in new.items():  # the committed value of the same key, else the best match
+                if k in old:
+                    out += shape_problems(v, old[k], f"{path}/{k}")
+                elif old:
+                    out += _best(v, list(old.values()), f"{path}/{k}")
+            return out
+        keys = set(old) | set(new) if path else (set(old) | set(new)) - {"provenance"}
+        out += [f"{where}: key {k!r} missing" for k in sorted(keys - set(new)) if not _at(f"{path}/{k}", MAY_LACK)]
+        if not path or entry:  # any other object may gain keys the committed file predates, never lose one
+            out += [f"{where}: new key {k!r}" for k in sorted(keys - set(old))]
+        for k in sorted(keys & set(old) & set(new)):
             out += shape_problems(new[k], old[k], f"{path}/{k}")
-    elif isinstance(old, list) and old and new:
-        if path.endswith("/rows") and all(isinstance(r, dict) for r in (*old, *new)):
-            keys = list(old[0])
+    elif isinstance(old, list):
+        if not new and old and not _at(path, MAY_BE_EMPTY):
+            out.append(f"{where}: empty where the committed file has {len(old)} entries")
+        if path.endswith("/rows") and old and all(isinstance(r, dict) for r in (*old, *new)):
+            keys = list(old[0])  # a table's rows: the same keys, in the same order
             out += [f"{path}[{i}]: keys {list(r)} != {keys}" for i, r in enumerate(new) if list(r) != keys]
-        out += shape_problems(new[0], old[0], f"{path}[0]")
+        if old:
+            for i, e in enumerate(new):
+                out += _best(e, old, f"{path}[{i}]", entry=True)
     return out
 
 
@@ -59,15 +121,54 @@ def committed(name: str) -> dict[str, Any]:
 def test_shape_problems_finds_a_renamed_key_and_a_changed_kind() -> None:
     old = {"rows": [{"a": 1, "b": "x"}], "meta": {"n": 1, "t": [1.0]}}
     assert (
-        shape_problems({"rows": [{"a": 2, "b": "y"}], "meta": {"n": 2, "t": []}, "provenance": {}}, old) == []
+        shape_problems({"rows": [{"a": 2, "b": "y"}], "meta": {"n": 2, "t": [2.0, 3]}, "provenance": {}}, old) == []
     )
     assert shape_problems({"rows": [{"a": 2, "c": "y"}], "meta": {"n": 1, "t": [1]}}, old) == [
-        "/rows[0]: keys ['a', 'c'] != ['a', 'b']"
+        "/rows[0]: keys ['a', 'c'] != ['a', 'b']",
+        "/rows[0]: key 'b' missing",
+        "/rows[0]: new key 'c'",
     ]
-    assert shape_problems({"rows": [], "meta": {"n": "1"}}, old) == [
+    assert shape_problems({"rows": [{"a": 2, "b": "y"}], "meta": {"n": "1", "t": [1]}}, old) == [
         "/meta/n: str where the committed file has number"
     ]
-    assert shape_problems({"meta": {}}, old) == ["/: key 'rows' missing"]
+    assert shape_problems({"meta": {"n": 1, "t": [1]}}, old) == ["/: key 'rows' missing"]
+
+
+def test_shape_problems_is_strict_where_it_used_to_match_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every element of a list, not the first; no null for a value; no empty list for entries; a
+    nested object's keys too; an object keyed by data compared value by value."""
+    old = {"rows": [{"a": 1, "b": "x"}], "meta": {"n": 1, "t": [1.0]}, "by_budget": {"2": {"em": 0.5}}}
+    ok = {"rows": [{"a": 2, "b": "y"}], "meta": {"n": 2, "t": [2.0]}, "by_budget": {"2": {"em": 0.1}}}
+    monkeypatch.setattr(f"{__name__}.DATA_KEYED", ("/by_budget",))
+    assert shape_problems(ok, old) == []
+    assert _at("/targets/world 0", ("/targets/world *",)) and not _at("/targets/world 0/x", ("/targets/world *",))
+    assert _at("/phases[3]/f", ("/phases[*]/f",)) and not _at("/phases/f", ("/phases[*]/f",))
+    assert shape_problems({**ok, "rows": [{"a": 2, "b": "y"}, {"a": "2", "b": "y"}]}, old) == [
+        "/rows[1]/a: str where the committed file has number"  # the second row is checked too
+    ]
+    assert shape_problems({**ok, "meta": {"n": None, "t": [2.0, None]}}, old) == [
+        "/meta/n: null where the committed file has number",
+        "/meta/t[1]: null where the committed file has number",
+    ]
+    assert shape_problems({**ok, "rows": []}, old) == ["/rows: empty where the committed file has 1 entries"]
+    assert shape_problems({**ok, "meta": {"t": [2.0]}}, old) == ["/meta: key 'n' missing"]
+    assert shape_problems({**ok, "meta": {"n": 2, "t": [2.0], "extra": 1}}, old) == []  # a field added since
+    assert shape_problems({**ok, "extra": 1}, old) == ["/: new key 'extra'"]
+    assert shape_problems({**ok, "by_budget": {"4": {"em": 0.2}, "8": {"em": "x"}}}, old) == [
+        "/by_budget/8/em: str where the committed file has number"  # other budgets: each value checked
+    ]
+    # a list may mix kinds of entries: each is held against the committed entry it matches best
+    mixed = {"phases": [{"mode": "chain"}, {"mode": "tree", "picks": 3}]}
+    assert shape_problems({"phases": [{"mode": "tree", "picks": 1}, {"mode": "chain"}]}, mixed) == []
+    assert shape_problems({"phases": [{"mode": "tree", "pick": 1}]}, mixed) == ["/phases[0]: new key 'pick'"]
+    assert shape_problems({"phases": [{"mode": "tree", "picks": "3"}]}, mixed) == [
+        "/phases[0]/picks: str where the committed file has number"  # held against the tree entry
+    ]
+    # where a tiny run cannot measure a figure or has no entries, the patterns allow it
+    monkeypatch.setattr(f"{__name__}.NULLABLE", ("/meta/t[*]",))
+    monkeypatch.setattr(f"{__name__}.MAY_BE_EMPTY", ("/rows",))
+    assert shape_problems({**ok, "rows": [], "meta": {"n": 2, "t": [None]}}, old) == []
+    assert shape_problems({**ok, "meta": {"n": None, "t": [1.0]}}, old) == ["/meta/n: null where the committed file has number"]
 
 
 @pytest.fixture(scope="module")

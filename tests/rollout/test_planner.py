@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from treegrpo.cli import app
+from treegrpo.rollout import planner
 from treegrpo.rollout.planner import PAPER_PAIRS, choose_shape, make_plan, predicted_cost, trajectories
 
 
@@ -49,7 +52,27 @@ def test_measured_f_overrides_a_paper_pair_that_does_not_fit() -> None:
     # with f = 0.7 the paper's (2,2,1) costs 2·(1 + 1.4) = 4.8 > 4: the rule takes over
     assert choose_shape(4, f=0.7) == (2, 1, 1, "rule")  # (2 - 1)/0.7 = 1.43 -> 1
     assert choose_shape(8, f=0.7) == (2, 4, 1, "rule")  # (4 - 1)/0.7 = 4.29 -> 4
-    assert choose_shape(16, f=0.7) == (4, 4, 1, "rule")  # (4 - 1)/0.7 = 4.29 -> 4; paper (4,5,1) costs 16.8
+    assert choose_shape(16, f=0.7) == (4, 4, 1, "rule")  # (4 - 1)/0.7 = 4.29 -> 4; paper (4,5,1) costs 18
+
+
+def test_the_design_docs_rule_is_the_planners() -> None:
+    """docs/design.md §6 "Matching budgets" states what choose_shape computes: its worked cases,
+    derived by hand from the doc's three steps, and the doc's formulas, verbatim."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    section = doc[doc.index("**Matching budgets**") : doc.index("## 7.")]
+    for text in ("cost(M, N, L) = M · (1 + L · N · f)", "N = ⌊(B/M − 1)/(L·f)⌋ ≥ 1", "M = ⌊√B⌋, ⌊√B⌋ − 1, …, 1",
+                 "the pair's cost at `f` is at most B", "⌊B⌋ chains (at least one)"):  # fmt: skip
+        assert text in section, text
+    # f = 1.5, B = 4: step 1, the pair (2,2,1) costs 2·(1 + 2·1.5) = 8 > 4; step 2, M = ⌊√4⌋ = 2:
+    # N = ⌊(4/2 − 1)/1.5⌋ = ⌊0.67⌋ = 0, so M = 1: N = ⌊(4/1 − 1)/1.5⌋ = 2 -> (1,2,1), cost 1·(1 + 2·1.5) = 4
+    assert choose_shape(4, f=1.5) == (1, 2, 1, "rule") and predicted_cost(1, 2, 1, 1.5) == pytest.approx(4.0)
+    # f = 0.7, B = 4: the pair costs 4.8 > 4; M = 2: N = ⌊(2 − 1)/0.7⌋ = 1 -> (2,1,1), cost 3.4, 4 trajectories
+    assert choose_shape(4, f=0.7) == (2, 1, 1, "rule") and predicted_cost(2, 1, 1, 0.7) == pytest.approx(3.4)
+    assert trajectories(2, 1, 1) == 4
+    # step 3: B = 2.9 at f = 3: M = 1, N = ⌊(2.9 − 1)/3⌋ = 0 -> ⌊2.9⌋ = 2 plain chains
+    assert choose_shape(2.9, f=3.0) == (2, 0, 0, "chain")
+    # the planner's docstring cites that section
+    assert "docs/design.md`` §6" in (planner.__doc__ or "")
 
 
 def test_make_plan_trajectories_and_tokens() -> None:

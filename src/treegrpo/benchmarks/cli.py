@@ -306,6 +306,24 @@ def bench_scale_cmd(
         _fail(f"error: {e}")
 
 
+@bench.command("default-run")
+def bench_default_run_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/default_run.json"), help="Results JSON."),
+    run_dir: Path | None = typer.Option(None, help="The run folder (default: treegrpo train's, runs/tree)."),
+    set_: list[str] = typer.Option([], "--set", help="A TrainConfig field for a short check (key=value, repeatable); the README's figures use none."),
+) -> None:
+    """`treegrpo train` with no arguments, recorded as the README's default-run figures: the
+    run's summary, config and provenance. From a clean cache: TREEGRPO_CACHE=$(mktemp -d)."""
+    from treegrpo.benchmarks.default_run import run_default
+    from treegrpo.training.config import ConfigError, parse_set
+
+    try:
+        run_default(out, run_dir, parse_set(set_))
+    except ConfigError as e:
+        _fail(f"error: {e}")
+    _log(f"wrote {out}")
+
+
 @bench.command("peers")
 def bench_peers_cmd(
     model: str = typer.Option(..., help="The starting folder both sides load (a `treegrpo warmup` output; or any --model reference)."),

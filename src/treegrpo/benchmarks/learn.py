@@ -234,7 +234,7 @@ def run_bench(
         "regime": dataclasses.asdict(reg),
         "models": {str(w): {"folder": str(p), "config_hash": tiny_info(p).get("config_hash")} for w, p in models.items()},
     }
-    prov = provenance(model_dir={str(w): p for w, p in models.items()})
+    prov = provenance(model_dir={str(w): p for w, p in models.items()}, threads=1)  # every row trains on one thread
     rows, prior = resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print) if resume else ([], 0.0)
     command = (
         f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''} --world-seed {','.join(map(str, worlds))} "
@@ -302,7 +302,7 @@ def run_gigpo_bench(
     )
     meta = {"task": task, "regime": dataclasses.asdict(reg),
             "model": {"folder": str(model_dir), "config_hash": tiny_info(model_dir).get("config_hash")}}  # fmt: skip
-    prov = provenance(model_dir={"0": model_dir})
+    prov = provenance(model_dir={"0": model_dir}, threads=1)  # every row trains on one thread
     rows, prior = (
         resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print,
                     "task, regime or starting policy")

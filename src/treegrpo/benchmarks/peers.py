@@ -290,7 +290,7 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
             not_run.append(_trl_multi_turn_not_run(row["settings"]["probes"]["tools"]))
     table = summarize(rows)
     results = {
-        "provenance": provenance(model_dir=resolve_model_ref(spec.model)),
+        "provenance": provenance(model_dir=resolve_model_ref(spec.model), threads=spec.threads or None),
         "spec": asdict(spec),
         "rows": rows,
         "table": table,

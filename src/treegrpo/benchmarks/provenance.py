@@ -16,7 +16,12 @@ Every ``treegrpo bench …`` writer stores :func:`provenance` under the key ``pr
 - ``treegrpo``: the package version;
 - ``versions``: the installed versions of the libraries the figures depend on
   (:data:`VERSIONED`; ``None`` for one that is not installed) and of Python, as pinned by the
-  repository's ``constraints.txt`` when installed with it.
+  repository's ``constraints.txt`` when installed with it;
+- ``cpu``: the CPU model (:func:`cpu_model`); ``torch_cpu_capability``: the vector instructions
+  torch's CPU kernels use on it (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``,
+  ``AVX2``, ``DEFAULT``, …); ``torch_threads``: the torch intra-op threads the figures were
+  measured with (the caller's, else ``torch.get_num_threads()`` now). The same code and versions
+  time differently on another CPU or thread count.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -117,6 +123,29 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
+    """The CPU's model: the first ``model name`` of ``cpuinfo`` (Linux), else
+    :func:`platform.processor`; ``None`` when neither names it."""
+    try:
+        m = re.search(r"^model name\s*:\s*(.+?)\s*$", Path(cpuinfo).read_text(errors="replace"), flags=re.M)
+    except OSError:
+        m = None
+    return m[1] if m else platform.processor().strip() or None
+
+
+def torch_machine(threads: int | None = None) -> dict[str, Any]:
+    """``cpu``, ``torch_cpu_capability`` and ``torch_threads`` of the provenance record (module
+    docstring); ``threads``: the thread count the measurement ran with, when not the current one
+    (rows trained in worker processes)."""
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads() if threads is None else threads,
+    }
+
+
 def invocation() -> list[str]:
     """This process's command line as typed: a console script (``treegrpo bench …``) by its name,
     anything else (``python -m treegrpo …``, ``python -c …``) as the interpreter received it."""
@@ -150,7 +179,9 @@ def source_commit(package_dir: str | Path | None = None) -> tuple[str | None, bo
 
 
 def provenance(
-    argv: Sequence[str] | None = None, model_dir: ModelRef | Mapping[str, ModelRef] | None = None
+    argv: Sequence[str] | None = None,
+    model_dir: ModelRef | Mapping[str, ModelRef] | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """The ``provenance`` record of a results JSON (module docstring).
 
@@ -158,6 +189,8 @@ def provenance(
         argv: the command line (default: :func:`invocation`); recorded shell-quoted, exactly.
         model_dir: the model folder, file or id the results were made with; a mapping
             ``{name: model}`` when there are several (then ``model`` and ``model_hash`` are mappings).
+        threads: the torch threads the figures were measured with, when not this process's
+            current count (e.g. rows trained in worker processes with one thread each).
     """
     if isinstance(model_dir, Mapping):
         model: Any = {str(k): str(v) for k, v in model_dir.items()}
@@ -174,7 +207,8 @@ def provenance(
         "dirty": dirty,
         "treegrpo": treegrpo.__version__,
         "versions": library_versions(),
+        **torch_machine(threads),
     }
 
 
-__all__ = ["MODEL_FILES", "VERSIONED", "invocation", "library_versions", "model_files", "model_hash", "provenance", "source_commit"]
+__all__ = ["MODEL_FILES", "VERSIONED", "cpu_model", "invocation", "library_versions", "model_files", "model_hash", "provenance", "source_commit", "torch_machine"]

@@ -164,7 +164,7 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
         },
     }
     results = {
-        "provenance": provenance(model_dir=spec.model),
+        "provenance": provenance(model_dir=spec.model, threads=base_config(spec).threads or None),
         "spec": asdict(spec),
         "warmup": {
             "demos": warm["demos"], "mean_tokens": warm["mean_tokens"], "sft": warm["sft"],

@@ -159,12 +159,14 @@ def run_one(
         summary = train(TrainConfig(**spec.config(run, str(run_dir))), eval_start=eval_start)
     drop_previous(run_dir / CHECKPOINT_DIR)  # a finished run is never resumed: its last checkpoint is enough
     s = summary
-    prompt_ids = prompt_order(spec, run.seed, task_ids)
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    steps = [m["rollout/prompt_ids"] for m in metrics if "rollout/prompt_ids" in m]
+    # what the run trained on, as the trainer logged it; a run from before it did: the stream replayed
+    prompt_ids = [i for ids in steps for i in ids] if len(steps) == spec.steps else prompt_order(spec, run.seed, task_ids)
     dumped = run_dir / "rollouts" / f"step_{spec.steps:05d}.jsonl"  # the last step's forests (unless switched off)
     last = [f.prompt_id for f in read_forests(dumped)] if dumped.is_file() else []
-    if last and last != prompt_ids[-len(last) :]:  # the replay must be what the run trained on
-        raise RuntimeError(f"{run_dir}: its last step trained on {last}; the replayed prompt order says {prompt_ids[-len(last) :]}")
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    if last and last != prompt_ids[-len(last) :]:  # the record must be what the run trained on
+        raise RuntimeError(f"{run_dir}: its last step trained on {last}; its prompt record says {prompt_ids[-len(last) :]}")
     informative = [round(m["rollout/informative_groups"], 4) for m in metrics if "rollout/informative_groups" in m]
     row = {
         "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
@@ -212,6 +214,8 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
     """Every run of the table (resuming), then ``out`` (JSON) and its PNG; returns the results."""
+    from treegrpo.training.config import TrainConfig
+
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     start = start_eval(spec, work, log)
@@ -220,7 +224,7 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     runs_s = sum(r["wall_s"] for r in rows)
     results = {
         "format": FORMAT,
-        "provenance": provenance(model_dir=spec.model),
+        "provenance": provenance(model_dir=spec.model, threads=TrainConfig(**spec.config(spec.runs()[0], str(work))).threads or None),
         "spec": asdict(spec),
         "eval_start": start["eval"],
         "eval_ids": start["eval_ids"],

@@ -1,9 +1,10 @@
 """Budget planner: which Tree-GRPO shape ``(M, N, L)`` to run for a given chain budget.
 
-A chain budget ``B`` is the cost of ``B`` independent chains per prompt (DESIGN.md §2 "budget").
-The cost model (DESIGN.md §5.3) counts a tree rollout in chain units::
+What this module computes is stated in ``docs/design.md`` §6 "Matching budgets" (the formula, the
+cost check at ``f`` and the order of the choices); the two are one. A chain budget ``B`` is the
+cost of ``B`` independent chains per prompt. The cost model counts a tree rollout in chain units::
 
-    cost(M, N, L) ≈ M · (1 + L · N · f)          (× B_chain tokens for one chain)
+    cost(M, N, L) = M · (1 + L · N · f)          (× B_chain tokens for one chain)
 
 for ``M · (1 + N · L)`` trajectories, where ``f`` is the average cost of one expansion relative to
 a whole chain: an expansion continues from a picked node, so it only generates the rest of a
@@ -12,16 +13,19 @@ trajectory. With picks landing half-way on average ``f = 0.5`` (the paper's form
 root is eligible, and final answer steps are short, so the remainder is more than half); the
 ``treegrpo bench budget`` run measures it per shape (``phases[*].f_measured``).
 
-Choice of shape (:func:`choose_shape`):
+Choice of shape (:func:`choose_shape`), the first that applies:
 
 1. *Paper pairs* (:data:`PAPER_PAIRS`): chain budget 2 ↔ (1,2,1), 4 ↔ (2,2,1), 8 ↔ (2,6,1),
-   16 ↔ (4,5,1) — used when the budget is one of these and the pair's predicted cost fits it.
-2. *Rule* otherwise: ``M = ⌊√B⌋`` initial chains (enough independent trees for the inter-tree
-   baseline, growing slowly so most of a large budget goes to cheap expansions), then the most
-   expansions that fit: ``N = ⌊(B/M − 1) / (L·f)⌋``. When not even one expansion fits
-   (``N < 1`` for every ``M ≥ 1``) the plan is plain chains, ``⌊B⌋`` of them (``N = L = 0``).
-   With ``f = 0.5`` the rule reproduces the paper pairs for 2, 4 and 8 and gives (4,6,1) for 16
-   (cost exactly 16; the paper's (4,5,1) leaves 2 chains of budget unused).
+   16 ↔ (4,5,1) — when the budget is one of these and the pair's predicted cost at ``f`` is at
+   most ``B``.
+2. *Rule*: for ``M = ⌊√B⌋, ⌊√B⌋ − 1, …, 1`` (enough independent trees for the inter-tree
+   baseline, growing slowly so most of a large budget goes to cheap expansions) the first ``M``
+   with ``N = ⌊(B/M − 1) / (L·f)⌋ ≥ 1``: the most expansions that fit (cost ``≤ B``).
+3. *Plain chains*: when not even one expansion fits for any ``M ≥ 1``, ``⌊B⌋`` of them (at least
+   one; ``N = L = 0``).
+
+With ``f = 0.5`` the rule reproduces the paper pairs for 2, 4 and 8 and gives (4,6,1) for 16
+(cost exactly 16; the paper's (4,5,1) leaves 2 chains of budget unused).
 
 Budgets may be given in trajectories (chains per prompt) or in generated tokens per prompt; tokens
 are turned into chain units with the mean generated tokens of one chain (``chain_tokens``: given,

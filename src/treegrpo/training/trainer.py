@@ -240,6 +240,7 @@ def train(
                 n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
             )
             metrics.update(rollout_metrics(everything, n_traj))
+            metrics["rollout/prompt_ids"] = [t.id for t in tasks]  # what this step trained on (every rank's)
             if estimator in GIGPO_ESTIMATORS:  # GiGPO's own diagnostic: steps that have anchor-state peers
                 anchors = shared_anchor_stats(everything.forests, adv_cfg)
                 metrics.update({"gigpo/shared_anchor_frac": anchors["shared_frac"], "gigpo/anchor_group_size": anchors["group_size"]})
