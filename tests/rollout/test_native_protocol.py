@@ -156,3 +156,34 @@ def test_a_native_demo_encodes_as_the_loop_holds_it(smollm2: Any) -> None:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     trained = [t for t, m in zip(enc.ids, enc.policy_mask, strict=True) if m]
     assert trained.count(eos) == 2 and trained[-1] == eos  # both turns end by themselves
+
+
+def test_every_estimator_scores_a_native_forest(smollm2: Any) -> None:
+    """A native-protocol forest is an ordinary forest: every registered estimator scores it, and
+    the tool turns (observations) get no advantage. One wrong answer among the leaves gives the
+    group a signal."""
+    from treegrpo.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, token_advantages
+
+    tok, env, runner, engine = setup(smollm2, "chatml-tools", TWO_CALLS)
+    wrong = tok.encode(assistant_turn_text(tok, {"role": "assistant", "content": "7"}, env.tool_schemas), add_special_tokens=False)
+    answers = iter([engine.answer_ids, wrong, engine.answer_ids])
+    real = engine.generate
+
+    def generate(contexts: Any, params: Any, generator: Any = None) -> list[Generation]:
+        gens = real(contexts, params, generator)
+        out = []
+        for g in gens:
+            ids = list(next(answers)) if g.tokens == engine.answer_ids else g.tokens
+            out.append(Generation(tokens=ids, logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=g.prefill_tokens))
+        return out
+
+    engine.generate = generate  # type: ignore[method-assign]
+    result = get_sampler("tree")(runner, [TASK], SamplerConfig("tree", m=1, n=2, l=1), random.Random(0), torch.Generator().manual_seed(0))
+    (forest,) = result.forests
+    assert sorted(leaf.reward for _, leaf in forest.leaves()) == [0.0, 1.0, 1.0]
+    for name in ADVANTAGE_ESTIMATORS:
+        rows = token_advantages(forest, name, AdvantageConfig())
+        for (ti, leaf), row in zip(forest.leaves(), rows, strict=True):
+            mask = [m for n in forest.trees[ti].path(leaf.id) for m in n.policy_mask]
+            assert len(row) == len(mask) and all(a == 0.0 for a, m in zip(row, mask, strict=True) if not m), name
+        assert any(a != 0.0 for row in rows for a in row), name
