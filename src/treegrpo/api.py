@@ -43,7 +43,8 @@ def _base(config: TrainConfig | Mapping[str, Any] | str | Path | None) -> dict[s
         return config.model_dump(include=config.model_fields_set)
     if isinstance(config, Mapping):
         return dict(config)
-    return load_config(config).model_dump(include=load_config(config).model_fields_set)
+    loaded = load_config(config)
+    return loaded.model_dump(include=loaded.model_fields_set)
 
 
 def _jsonable(value: Any) -> Any:

@@ -337,7 +337,7 @@ class ToolEnv:
         if self._class is None or not callable(getattr(self._class, "reset", None)):
             return ""
         if task.id not in self._reset_text:
-            inst = self.initial_state(task)
+            inst = self.environment_factory()  # type: ignore[misc]
             text = inst.reset(**task.meta)
             self._close(inst)
             self._reset_text[task.id] = "" if text is None else "\n" + str(text)
