@@ -106,3 +106,10 @@ def treegrpo_error(fn) -> str:
     with pytest.raises(ConfigError) as e:
         fn()
     return str(e.value)
+
+
+def test_trl_names_are_accepted() -> None:
+    """A TRL user's GRPOConfig names where they mean the same: num_generations, max_steps,
+    learning_rate, beta."""
+    cfg = treegrpo.TrainConfig.model_validate({"num_generations": 8, "max_steps": 3, "learning_rate": 1e-5, "beta": 0.0})
+    assert (cfg.group_size, cfg.steps, cfg.lr, cfg.kl_coef) == (8, 3, 1e-5, 0.0)

@@ -99,7 +99,9 @@ class TrainConfig(BaseModel):
         "tree",
         description="tree (Tree-GRPO initialize-then-expand), chain (independent chains) or eptree (TreeRL token-level forking, single-turn).",
     )
-    group_size: int = Field(4, ge=1, description="Chains per prompt for --sampler chain.")
+    group_size: int = Field(
+        4, ge=1, validation_alias=AliasChoices("group_size", "num_generations"), description="Chains per prompt for --sampler chain (TRL's num_generations)."
+    )
     m: int = Field(
         2,
         ge=1,
@@ -178,7 +180,10 @@ class TrainConfig(BaseModel):
     clip_ratio_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1.")
     dual_clip: bool = Field(False, description="Dual clip (c=3) for negative advantages.")
     kl_coef: float = Field(
-        0.001, ge=0.0, description="KL-to-reference loss coefficient (0 disables the reference model)."
+        0.001,
+        ge=0.0,
+        validation_alias=AliasChoices("kl_coef", "beta"),
+        description="KL-to-reference loss coefficient (0 disables the reference model; TRL's beta).",
     )
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
@@ -194,11 +199,12 @@ class TrainConfig(BaseModel):
     )
 
     # -- optimisation ------------------------------------------------------------------------------
-    steps: int = Field(200, ge=0, description="RL steps.")
+    steps: int = Field(200, ge=0, validation_alias=AliasChoices("steps", "max_steps"), description="RL steps (TRL's max_steps).")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
     lr: float | Literal["auto"] = Field(
         "auto",
-        description="AdamW learning rate (peak, after warm-up); auto = 5e-4 for a bootstrapped tiny agent, 1e-6 for full fine-tuning of a real model (Search-R1's train_grpo.sh, 3B), 1e-5 with LoRA (about 10x full fine-tuning; verl's LoRA GRPO example uses 3e-6 at rank 64, alpha 32). Resolved when the model is loaded and recorded in config.json.",
+        validation_alias=AliasChoices("lr", "learning_rate"),
+        description="AdamW learning rate (TRL's learning_rate) (peak, after warm-up); auto = 5e-4 for a bootstrapped tiny agent, 1e-6 for full fine-tuning of a real model (Search-R1's train_grpo.sh, 3B), 1e-5 with LoRA (about 10x full fine-tuning; verl's LoRA GRPO example uses 3e-6 at rank 64, alpha 32). Resolved when the model is loaded and recorded in config.json.",
     )
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear lr warm-up over the first N RL steps (step k of N uses lr·k/N)."
