@@ -21,13 +21,13 @@ from treegrpo.errors import ConfigError
 from treegrpo.models.loader import load_model, load_tokenizer
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig
-from treegrpo.training.config import (
+from treegrpo.training.config import make_config
+from treegrpo.training.defaults import (
     FULL_FT_LR,
     LORA_LR,
     REAL_LIMITS,
     TINY_LIMITS,
     TINY_LR,
-    make_config,
     resolve_model_defaults,
 )
 from treegrpo.training.policy import Policy, prepare_model, reference_of
