@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,3 +45,12 @@ def phase(progress: Any, text: str) -> None:
     if progress is not None:
         progress.console.print(f"[bold]bootstrap[/bold] {text}")
 
+
+
+def plain_printer(progress: Any) -> Callable[[str], None] | None:
+    """A printer of plain progress lines on ``progress``'s console when that console is not a
+    terminal (a log file, a pipe: a bar there shows nothing until it ends), else ``None``."""
+    if progress is None or progress.console.is_terminal:
+        return None
+    console = progress.console
+    return lambda line: console.print(line, markup=False, highlight=False)

@@ -139,6 +139,21 @@ def test_bootstrap_records_and_reloads(arith_model_dir: Path) -> None:
         load_arith_setup(arith_model_dir.parent / "nope")
 
 
+def test_bootstrap_prints_progress_lines_when_output_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first-time bootstrap writing to a log or a pipe (a bar shows nothing there until it ends)
+    says how far its warm-up is, and that it is measuring, as plain lines."""
+    from treegrpo.models.loader import tiny_info
+
+    folder = bootstrap_arith(tmp_path / "model", TINY_BOOT, progress=True)
+    out = capsys.readouterr().out
+    total = tiny_info(folder)["sft"]["steps"]
+    lines = [x for x in out.splitlines() if x.startswith("warm-up step ")]
+    assert total >= 2 and len(lines) >= 2 and lines[-1].startswith(f"warm-up step {total}/{total} · loss ")
+    assert "measuring the warm-up on 8 eval tasks" in out and "warm-up success sampled" in out
+
+
 def test_run_parts_follow_the_bootstrap(arith_model_dir: Path) -> None:
     from treegrpo.training.config import make_config
 
