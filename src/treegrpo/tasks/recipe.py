@@ -38,19 +38,12 @@ from treegrpo.fingerprint import code_fingerprint
 from treegrpo.io import atomic_write_dir, user_cache_dir
 from treegrpo.models.loader import MARKER_FILE, tiny_info
 from treegrpo.models.tiny import model_for, save_tiny, train_tokenizer, wrap_tokenizer
-from treegrpo.progress import phase, plain_printer, progress_bars, torch_threads
+from treegrpo.progress import phase, progress_bars, torch_threads
 from treegrpo.rollout.agent import AgentConfig, RolloutResult, StepRunner
 from treegrpo.rollout.engine import make_engine
 from treegrpo.rollout.samplers import SamplerConfig, sample_chains
 from treegrpo.tasks.common import Settings
-from treegrpo.training.warmup import (
-    Demo,
-    WarmupConfig,
-    demo_texts,
-    encode_demos,
-    sft_steps,
-    supervised_warmup,
-)
+from treegrpo.training.warmup import Demo, WarmupConfig, demo_texts, encode_demos, supervised_warmup
 
 #: The modules whose code decides every tiny agent's weights (the context encoding, the model, the
 #: warm-up, the splits and settings records, this recipe); a family's ``weight_modules`` add its
@@ -290,15 +283,11 @@ def build_tiny_agent(
         phase(prog, note)
 
         t = time.perf_counter()
-        wcfg = cfg.warmup_config()
-        say = plain_printer(prog)  # a log (not a terminal) gets progress lines: a bar shows nothing until it ends
-        every = max(1, sft_steps(len(encoded), wcfg) // 20)
-        sft = supervised_warmup(model, encoded, wcfg, tok.pad_token_id, rng, prog, say=say, say_every=every)
+        sft = supervised_warmup(model, encoded, cfg.warmup_config(), tok.pad_token_id, rng, prog)
         timings["sft_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
         eval_tasks = list(parts.eval_tasks)[: cfg.n_eval]
-        phase(prog, f"{recipe.name}: measuring the warm-up on {len(eval_tasks)} eval tasks (sampled, then greedy)")
         sampled, greedy = [
             measure(recipe.metrics, model, tok, env, eval_tasks, cfg.agent_config(temp), cfg.seed, cfg.eval_batch_size)
             for temp in (1.0, 0.0)  # sampled, then greedy
