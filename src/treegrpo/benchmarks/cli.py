@@ -3,6 +3,7 @@ The main command line (:mod:`treegrpo.cli`) mounts this sub-app."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import NoReturn
 
@@ -205,6 +206,41 @@ def bench_learn_cmd(
         lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
         budgets=budget_list or None, resume=resume,
     )
+
+
+@bench.command("default")
+def bench_default_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/default_run.json"), help="Results JSON (plot next to it, .png)."),
+    seeds: str = typer.Option("0,1,2,3,4", help="Comma-separated RL seeds (--seed of each run)."),
+    kernels: str = typer.Option("native,default", help="Comma-separated torch CPU kernel sets (ATEN_CPU_CAPABILITY; native: the CPU's own), each from a clean cache of its own."),
+    work: Path = typer.Option(Path("runs/bench-default"), help="Work folder: the runs, their logs and each kernel set's cache (finished runs are kept)."),
+    jobs: int = typer.Option(2, help="Runs in parallel (one torch thread each)."),
+    label: str = typer.Option("current", help="The spread's name in the results JSON (other spreads there are kept)."),
+    about: str = typer.Option("", help="One line on what this spread is (default: the code it ran)."),
+    headline: bool = typer.Option(True, help="Make this spread the one the README shows."),
+    source: Path | None = typer.Option(None, help="A checkout whose src/ the runs import (default: this treegrpo)."),
+) -> None:
+    """The spread of the default run (`treegrpo train` with no arguments) over RL seeds and CPU
+    kernel sets: held-out success at the start and the end of every run, each kernel set
+    bootstrapping its own tiny agent as a fresh machine would."""
+    from treegrpo.benchmarks.default_run import plot_spreads, run_spread, write_spread
+    from treegrpo.benchmarks.provenance import invocation
+    from treegrpo.errors import ConfigError
+
+    seed_list = _ints(seeds, "--seeds")
+    kernel_list = [k.strip() for k in kernels.split(",") if k.strip()]
+    if jobs < 1 or len(set(seed_list)) != len(seed_list):
+        _fail("error: --jobs must be >= 1 and --seeds distinct")
+    if source is not None and not (source / "src" / "treegrpo").is_dir():
+        _fail(f"error: --source {source}: no src/treegrpo there; give a treegrpo checkout")
+    try:
+        rows = run_spread(work, seed_list, kernel_list, jobs=jobs, source=source, log=_log)
+        text = about or f"the default run at commit {rows[0]['code']['commit']}"
+        write_spread(out, label, rows, text, shlex.join(invocation()), headline=headline, plot=plot_spreads, log=_log)
+    except ConfigError as e:
+        _fail(f"error: {e}")
+    except RuntimeError as e:
+        _fail(f"error: {e}", code=1)
 
 
 @bench.command("stateful")

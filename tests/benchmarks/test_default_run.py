@@ -1,0 +1,137 @@
+"""``treegrpo bench default``: the kernel-set checks, the run plan, the summary (hand-derived
+values), the README's figure, and a real end-to-end spread (each run a ``treegrpo train`` process,
+shortened to two steps on the test model and the tiny world)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treegrpo.benchmarks import default_run as dr
+from treegrpo.errors import ConfigError
+
+
+def test_kernel_sets_this_cpu_cannot_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dr.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(dr, "cpu_flags", lambda: {"sse2", "avx2", "fma"})
+    dr.check_kernels(["native", "default", "avx2"])
+    with pytest.raises(ConfigError, match="cannot run the avx512 kernels"):
+        dr.check_kernels(["native", "avx512"])
+    with pytest.raises(ConfigError, match="unknown kernel set"):
+        dr.check_kernels(["sse"])
+    with pytest.raises(ConfigError, match="distinct"):
+        dr.check_kernels(["native", "native"])
+    monkeypatch.setattr(dr.platform, "machine", lambda: "aarch64")
+    with pytest.raises(ConfigError, match="cannot run the avx2 kernels"):
+        dr.check_kernels(["avx2"])
+
+
+def test_every_kernel_set_bootstraps_before_its_other_seeds() -> None:
+    assert dr.plan([3, 1, 2], ["native", "default"]) == [
+        ("native", 3), ("default", 3), ("native", 1), ("default", 1), ("native", 2), ("default", 2),
+    ]  # fmt: skip
+
+
+def test_a_run_gets_its_own_cache_and_kernels(tmp_path: Path) -> None:
+    assert dr.run_env(tmp_path, "native") == {"TREEGRPO_CACHE": str(tmp_path / "cache-native")}
+    assert dr.run_env(tmp_path, "default", Path("/src/tg")) == {
+        "TREEGRPO_CACHE": str(tmp_path / "cache-default"),
+        "ATEN_CPU_CAPABILITY": "default",
+        "PYTHONPATH": "/src/tg/src",
+    }
+    assert dr.torch_kernels({"ATEN_CPU_CAPABILITY": "default"}) == "DEFAULT"
+    assert dr.train_command(4, tmp_path / "r")[1:] == ["-m", "treegrpo", "train", "--seed", "4", "--out-dir", str(tmp_path / "r")]
+
+
+def _row(seed: int, kernels: str, start: float, end: float, greedy_end: float, wall: float) -> dict[str, Any]:
+    return {"seed": seed, "kernels": kernels, "start": {"sampled": start, "greedy": 0.2, "tool_calls": 1.0},
+            "end": {"sampled": end, "greedy": greedy_end, "tool_calls": 2.0}, "wall_s": wall,
+            "config": {"lr": 5e-4}, "code": {"commit": "abc", "dirty": False}}  # fmt: skip
+
+
+def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
+    rows = [_row(0, "native", 0.25, 0.80, 0.90, 100.0), _row(1, "native", 0.30, 0.90, 0.80, 300.0),
+            _row(0, "default", 0.35, 1.00, 1.00, 200.0)]  # fmt: skip
+    s = dr.summarize(rows)
+    assert s["end_sampled"] == pytest.approx({"mean": 0.9, "min": 0.8, "max": 1.0, "std": 0.1, "n": 3})
+    assert s["start_sampled"]["mean"] == pytest.approx(0.3) and s["start_greedy"]["std"] == 0.0
+    assert s["wall_s"]["mean"] == pytest.approx(200.0) and s["end_sampled_range"] == pytest.approx(0.2)
+    assert dr.figure(s) == "0.250–0.350 → 0.800–1.000 (0.90 ± 0.10)"
+    assert dr.figure(s, "greedy") == "0.200–0.200 → 0.800–1.000 (0.90 ± 0.10)"
+
+
+def test_a_spread_is_one_config_from_one_commit(tmp_path: Path) -> None:
+    a, b = _row(0, "native", 0.2, 0.8, 0.8, 1.0), _row(1, "native", 0.2, 0.8, 0.8, 1.0)
+    with pytest.raises(ConfigError, match="share their config"):
+        dr.spread_doc([a, {**b, "config": {"lr": 1e-4}}], "x", "cmd")
+    with pytest.raises(ConfigError, match="share their code"):
+        dr.spread_doc([a, {**b, "code": {"commit": "def", "dirty": False}}], "x", "cmd")
+    out = tmp_path / "d.json"
+    dr.write_spread(out, "before", [a], "old", "cmd1", headline=False)
+    doc = dr.write_spread(out, "after", [a, b], "new", "cmd2")
+    assert json.loads(out.read_text()) == doc and list(doc["spreads"]) == ["before", "after"]
+    assert doc["headline"] == "after" and doc["spreads"]["before"]["provenance"] == {"command": "cmd1", **a["code"]}
+    doc = dr.write_spread(out, "before", [b], "old again", "cmd3", headline=False)
+    assert doc["headline"] == "after" and doc["spreads"]["before"]["rows"] == [b]
+
+
+@pytest.fixture(scope="module")
+def agent(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test model with the record of a bootstrapped agent of the tiny world."""
+    from treegrpo.rollout.agent import AgentConfig
+    from treegrpo.tasks.world.world import PRESETS
+
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("agent") / "agent"))
+    agent = AgentConfig(max_turns=2, max_step_tokens=8, max_obs_tokens=32, max_context_tokens=400, use_chat_template=False)
+    record = {"tokenizer": "PreTrainedTokenizerFast", "world": PRESETS["tiny"].to_dict(),
+              "env": {"topk": 2, "prompt_template": "minimal"}, "agent": asdict(agent),
+              "config": {"preset": "tiny"}, "config_hash": "0123456789ab",
+              "warmup_eval": {"sampled": {"success": 0.25}, "greedy": {"success": 0.125}},
+              "timings": {"total_s": 12.5}}  # fmt: skip
+    (folder / "treegrpo_tiny.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two kernel sets, one seed: each run is a real `treegrpo train` process in its own cache and
+    kernels; the rows hold what the runs wrote; a second call keeps the finished runs."""
+    def short(seed: int, out_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "treegrpo", "train", "--model", str(agent), "--preset", "tiny", "--seed", str(seed),
+                "--out-dir", str(out_dir), "--steps", "2", "--prompts-per-step", "2", "--set", "eval_every=1",
+                "--set", "eval_prompts=2", "--set", "tensorboard=false"]  # fmt: skip
+
+    monkeypatch.setattr(dr, "train_command", short)
+    said: list[str] = []
+    rows = dr.run_spread(tmp_path, [0], ["native", "default"], jobs=2, log=said.append)
+    assert [(r["seed"], r["kernels"]) for r in rows] == [(0, "native"), (0, "default")]
+    assert rows[1]["torch_kernels"] == "DEFAULT" and "ATEN_CPU_CAPABILITY=default" in rows[1]["command"]
+    for r in rows:
+        folder = tmp_path / f"{r['kernels']}-s0"
+        summary = json.loads((folder / "summary.json").read_text())
+        assert r["end"]["sampled"] == summary["eval_end"]["eval/success_sampled"]
+        assert [c[0] for c in r["curve"]] == [0, 1, 2] and r["curve"][-1][1] == r["end"]["sampled"]
+        assert r["bootstrap"]["model"] == "tiny-0123456789ab" and r["bootstrap"]["warmup_success_greedy"] == 0.125
+        assert f"TREEGRPO_CACHE={tmp_path / ('cache-' + r['kernels'])}" in r["command"]
+        assert r["config"]["steps"] == 2 and "seed" not in r["config"] and (tmp_path / f"{folder.name}.log").is_file()
+    said.clear()
+    again = dr.run_spread(tmp_path, [0], ["native", "default"], jobs=1, log=said.append)
+    assert again == rows and said == ["kept native-s0 (finished earlier)", "kept default-s0 (finished earlier)"]
+    doc = dr.write_spread(tmp_path / "d.json", "test", rows, "t", "cmd", plot=dr.plot_spreads)
+    assert (tmp_path / "d.png").is_file() and doc["spreads"]["test"]["summary"]["end_sampled"]["n"] == 2
+
+
+def test_cli_refuses_bad_options_with_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from treegrpo.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "default", "--seeds", "0,x"])
+    assert res.exit_code == 2 and "--seeds '0,x': give comma-separated integers" in res.output
+    res = CliRunner().invoke(app, ["bench", "default", "--kernels", "native,sse4"])
+    assert res.exit_code == 2 and "unknown kernel set(s) sse4" in res.output
