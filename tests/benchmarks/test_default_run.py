@@ -51,8 +51,8 @@ def test_a_run_gets_its_own_cache_and_kernels(tmp_path: Path) -> None:
 
 def _row(seed: int, kernels: str, start: float, end: float, greedy_end: float, wall: float) -> dict[str, Any]:
     return {"seed": seed, "kernels": kernels, "start": {"sampled": start, "greedy": 0.2, "tool_calls": 1.0},
-            "end": {"sampled": end, "greedy": greedy_end, "tool_calls": 2.0}, "wall_s": wall,
-            "config": {"lr": 5e-4}, "code": {"commit": "abc", "dirty": False}}  # fmt: skip
+            "end": {"sampled": end, "greedy": greedy_end, "tool_calls": 2.0}, "train_wall_s": wall,
+            "config": {"lr": 5e-4}, "code": {"commit": "abc", "dirty": False}, "bootstrap_config": {"p": 1}}  # fmt: skip
 
 
 def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
@@ -61,7 +61,7 @@ def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
     s = dr.summarize(rows)
     assert s["end_sampled"] == pytest.approx({"mean": 0.9, "min": 0.8, "max": 1.0, "std": 0.1, "n": 3})
     assert s["start_sampled"]["mean"] == pytest.approx(0.3) and s["start_greedy"]["std"] == 0.0
-    assert s["wall_s"]["mean"] == pytest.approx(200.0) and s["end_sampled_range"] == pytest.approx(0.2)
+    assert s["train_wall_s"]["mean"] == pytest.approx(200.0) and s["end_sampled_range"] == pytest.approx(0.2)
     assert dr.figure(s) == "0.250–0.350 → 0.800–1.000 (0.90 ± 0.10)"
     assert dr.figure(s, "greedy") == "0.200–0.200 → 0.800–1.000 (0.90 ± 0.10)"
 
@@ -72,13 +72,17 @@ def test_a_spread_is_one_config_from_one_commit(tmp_path: Path) -> None:
         dr.spread_doc([a, {**b, "config": {"lr": 1e-4}}], "x", "cmd")
     with pytest.raises(ConfigError, match="share their code"):
         dr.spread_doc([a, {**b, "code": {"commit": "def", "dirty": False}}], "x", "cmd")
+    with pytest.raises(ConfigError, match="share their bootstrap_config"):
+        dr.spread_doc([a, {**b, "bootstrap_config": {"p": 2}}], "x", "cmd")
     out = tmp_path / "d.json"
     dr.write_spread(out, "before", [a], "old", "cmd1", headline=False)
     doc = dr.write_spread(out, "after", [a, b], "new", "cmd2")
     assert json.loads(out.read_text()) == doc and list(doc["spreads"]) == ["before", "after"]
     assert doc["headline"] == "after" and doc["spreads"]["before"]["provenance"] == {"command": "cmd1", **a["code"]}
+    after = doc["spreads"]["after"]
+    assert after["config"] == a["config"] and after["bootstrap_config"] == {"p": 1} and "code" not in after["rows"][0]
     doc = dr.write_spread(out, "before", [b], "old again", "cmd3", headline=False)
-    assert doc["headline"] == "after" and doc["spreads"]["before"]["rows"] == [b]
+    assert doc["headline"] == "after" and doc["spreads"]["before"]["rows"][0]["seed"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +112,8 @@ def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(dr, "train_command", short)
     said: list[str] = []
+    (tmp_path / "cache-default" / "models" / "tiny-0123456789ab").mkdir(parents=True)
+    (tmp_path / "cache-default" / "models" / "tiny-0123456789ab" / "treegrpo_tiny.json").write_text("{}")
     rows = dr.run_spread(tmp_path, [0], ["native", "default"], jobs=2, log=said.append)
     assert [(r["seed"], r["kernels"]) for r in rows] == [(0, "native"), (0, "default")]
     assert rows[1]["torch_kernels"] == "DEFAULT" and "ATEN_CPU_CAPABILITY=default" in rows[1]["command"]
@@ -119,6 +125,10 @@ def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monk
         assert r["bootstrap"]["model"] == "tiny-0123456789ab" and r["bootstrap"]["warmup_success_greedy"] == 0.125
         assert f"TREEGRPO_CACHE={tmp_path / ('cache-' + r['kernels'])}" in r["command"]
         assert r["config"]["steps"] == 2 and "seed" not in r["config"] and (tmp_path / f"{folder.name}.log").is_file()
+        assert r["bootstrap_config"] == {"preset": "tiny"}
+    # the native cache held no agent (this run bootstrapped: its bootstrap is taken off its wall), the other did
+    assert rows[0]["bootstrap"]["built_by_this_run"] and not rows[1]["bootstrap"]["built_by_this_run"]
+    assert rows[0]["train_wall_s"] == pytest.approx(rows[0]["wall_s"] - 12.5) and rows[1]["train_wall_s"] == rows[1]["wall_s"]
     said.clear()
     again = dr.run_spread(tmp_path, [0], ["native", "default"], jobs=1, log=said.append)
     assert again == rows and said == ["kept native-s0 (finished earlier)", "kept default-s0 (finished earlier)"]

@@ -52,6 +52,8 @@ WHAT = (
     "treegrpo train with no arguments: held-out success at the start and the end over RL seeds x torch CPU "
     "kernel sets, each kernel set from a clean cache (its own bootstrap)"
 )
+#: What every run of a spread shares, kept once for the spread (:func:`spread_doc`).
+SHARED = ("config", "code", "bootstrap_config")
 #: The figures of one evaluation, as a row holds them.
 EVAL_KEYS = {"sampled": "eval/success_sampled", "greedy": "eval/success_greedy", "tool_calls": "eval/tool_calls_sampled"}
 
@@ -123,10 +125,12 @@ def launch_record(work: Path, kernels: str, seed: int, source: Path | None = Non
     out = run_dir(work, kernels, seed)
     env = run_env(work, kernels, source)
     argv = train_command(seed, out)
+    cached = sorted(p.parent.name for p in (Path(env["TREEGRPO_CACHE"]) / "models").glob("*/treegrpo_tiny.json"))
     return {
         "seed": seed,
         "kernels": kernels,
         "torch_kernels": torch_kernels(env),
+        "cached_agents": cached,  # what the cache held before the run (none: the run bootstraps)
         "command": shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), "python", *argv[1:]]),
         "env": env,
         **source_provenance(source),
@@ -146,6 +150,7 @@ def collect_run(folder: Path) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     boot = json.loads((folder / "checkpoint" / "treegrpo_tiny.json").read_text())
     model = Path(launch["env"]["TREEGRPO_CACHE"]) / "models" / f"{boot['config']['preset']}-{boot['config_hash']}"
+    bootstrapped = model.name not in launch["cached_agents"]  # then the run's wall includes the bootstrap
     curve = [
         [int(r["step"]), *(r[name] for name in EVAL_KEYS.values())]
         for r in read_metrics(folder / "metrics.jsonl")
@@ -159,13 +164,16 @@ def collect_run(folder: Path) -> dict[str, Any]:
         "end": _eval_of(summary["eval_end"]),
         "curve": curve,
         "wall_s": summary["wall_s"],
+        "train_wall_s": summary["wall_s"] - (boot["timings"]["total_s"] if bootstrapped else 0.0),
         "rollout_s": summary["rollout_s"],
         "update_s": summary["update_s"],
         "trajectories": summary["trajectories"],
         "generated_tokens": summary["generated_tokens"],
         "tool_calls_per_trajectory": summary["tool_calls_per_trajectory"],
+        "trajectories_per_1k_tokens": summary["trajectories_per_1k_tokens"],
         "bootstrap": {
             "model": model.name,
+            "built_by_this_run": bootstrapped,
             "model_hash": model_hash(model) if model.is_dir() else None,
             "warmup_success_sampled": boot["warmup_eval"]["sampled"]["success"],
             "warmup_success_greedy": boot["warmup_eval"]["greedy"]["success"],
@@ -174,16 +182,17 @@ def collect_run(folder: Path) -> dict[str, Any]:
         "command": launch["command"],
         "code": {k: launch[k] for k in ("commit", "dirty", "treegrpo", "versions")},
         "config": {k: v for k, v in config.items() if k not in PER_RUN},
+        "bootstrap_config": boot["config"],
     }
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean, sd, min and max over the runs of the start and end held-out success (sampled,
-    greedy) and of the wall time; ``end_sampled_range``: the spread max − min of the end."""
+    greedy) and of the training's wall time (the bootstrap left out); ``end_sampled_range``: the spread max − min of the end."""
     out: dict[str, Any] = {
         f"{when}_{mode}": spread(r[when][mode] for r in rows) for when in ("start", "end") for mode in ("sampled", "greedy")
     }
-    out["wall_s"] = spread(r["wall_s"] for r in rows)
+    out["train_wall_s"] = spread(r["train_wall_s"] for r in rows)
     out["end_sampled_range"] = out["end_sampled"]["max"] - out["end_sampled"]["min"]
     return out
 
@@ -243,16 +252,23 @@ def run_spread(
 
 
 def spread_doc(rows: Sequence[dict[str, Any]], about: str, command: str) -> dict[str, Any]:
-    """One spread of the results JSON: what it is, the config every run shares, the rows, their
-    summary and the provenance (``command``: the bench's own; the code and versions the runs ran
-    with). Refused when the runs differ in config or in code."""
+    """One spread of the results JSON: what it is, what every run shares (:data:`SHARED`: the
+    train config but for the seed, the code and versions, the bootstrap recipe), the rows without
+    those, their summary and the provenance (``command``: the bench's own). Refused when the runs
+    differ in one of the shared parts."""
     if not rows:
         raise ConfigError("a spread needs at least one run")
-    for what in ("config", "code"):
+    for what in SHARED:
         if len({json.dumps(r[what], sort_keys=True) for r in rows}) != 1:
             raise ConfigError(f"the runs of a spread must share their {what} (but for the seed): they differ")
-    provenance = {"command": command, **rows[0]["code"]}
-    return {"about": about, "config": rows[0]["config"], "rows": list(rows), "summary": summarize(rows), "provenance": provenance}
+    return {
+        "about": about,
+        "config": rows[0]["config"],
+        "bootstrap_config": rows[0]["bootstrap_config"],
+        "rows": [{k: v for k, v in r.items() if k not in SHARED} for r in rows],
+        "summary": summarize(rows),
+        "provenance": {"command": command, **rows[0]["code"]},
+    }
 
 
 def write_spread(
