@@ -51,7 +51,7 @@ def test_a_run_gets_its_own_cache_and_kernels(tmp_path: Path) -> None:
 
 def _row(seed: int, kernels: str, start: float, end: float, greedy_end: float, wall: float) -> dict[str, Any]:
     return {"seed": seed, "kernels": kernels, "start": {"sampled": start, "greedy": 0.2, "tool_calls": 1.0},
-            "end": {"sampled": end, "greedy": greedy_end, "tool_calls": 2.0}, "train_wall_s": wall,
+            "end": {"sampled": end, "greedy": greedy_end, "tool_calls": 2.0}, "train_wall_s": wall, "step_cpu_s": wall / 2,
             "config": {"lr": 5e-4}, "code": {"commit": "abc", "dirty": False}, "bootstrap_config": {"p": 1}}  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
     s = dr.summarize(rows)
     assert s["end_sampled"] == pytest.approx({"mean": 0.9, "min": 0.8, "max": 1.0, "std": 0.1, "n": 3})
     assert s["start_sampled"]["mean"] == pytest.approx(0.3) and s["start_greedy"]["std"] == 0.0
-    assert s["train_wall_s"]["mean"] == pytest.approx(200.0) and s["end_sampled_range"] == pytest.approx(0.2)
+    assert s["train_wall_s"]["mean"] == pytest.approx(200.0) and s["step_cpu_s"]["max"] == pytest.approx(150.0) and s["end_sampled_range"] == pytest.approx(0.2)
     assert dr.figure(s) == "0.250–0.350 → 0.800–1.000 (0.90 ± 0.10)"
     assert dr.figure(s, "greedy") == "0.200–0.200 → 0.800–1.000 (0.90 ± 0.10)"
 
@@ -125,7 +125,7 @@ def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monk
         assert r["bootstrap"]["model"] == "tiny-0123456789ab" and r["bootstrap"]["warmup_success_greedy"] == 0.125
         assert f"TREEGRPO_CACHE={tmp_path / ('cache-' + r['kernels'])}" in r["command"]
         assert r["config"]["steps"] == 2 and "seed" not in r["config"] and (tmp_path / f"{folder.name}.log").is_file()
-        assert r["bootstrap_config"] == {"preset": "tiny"}
+        assert r["bootstrap_config"] == {"preset": "tiny"} and 0 < r["step_cpu_s"] < r["wall_s"]
     # the native cache held no agent (this run bootstrapped: its bootstrap is taken off its wall), the other did
     assert rows[0]["bootstrap"]["built_by_this_run"] and not rows[1]["bootstrap"]["built_by_this_run"]
     assert rows[0]["train_wall_s"] == pytest.approx(rows[0]["wall_s"] - 12.5) and rows[1]["train_wall_s"] == rows[1]["wall_s"]
@@ -145,3 +145,38 @@ def test_cli_refuses_bad_options_with_one_line() -> None:
     assert res.exit_code == 2 and "--seeds '0,x': give comma-separated integers" in res.output
     res = CliRunner().invoke(app, ["bench", "default", "--kernels", "native,sse4"])
     assert res.exit_code == 2 and "unknown kernel set(s) sse4" in res.output
+
+
+def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() -> None:
+    """``benchmarks/results/default_run.json``: every spread holds every seed on every kernel set,
+    each run's curve runs from its start to its end, the summary is the rows' own; the headline
+    spread was run with today's defaults (the train config and the default world's bootstrap
+    recipe), each kernel set bootstrapped its own agent, and it meets issue 34's bar: every run
+    ends at held-out sampled success >= 0.8, all within 0.1."""
+    from treegrpo.tasks.world.bootstrap import BootstrapConfig
+    from treegrpo.training.config import AUTO_LIMITS, make_config, resolve_model_defaults
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "default_run.json").read_text())
+    assert doc["what"] == dr.WHAT and doc["headline"] in doc["spreads"] and "before" in doc["spreads"]
+    for label, sp in doc["spreads"].items():
+        rows = sp["rows"]
+        seeds, kernels = sorted({r["seed"] for r in rows}), sorted({r["kernels"] for r in rows})
+        assert sorted((r["seed"], r["kernels"]) for r in rows) == sorted((s, k) for s in seeds for k in kernels), label
+        assert len(seeds) >= 5 and len(kernels) >= 2 and len({r["torch_kernels"] for r in rows}) == len(kernels), label
+        for r in rows:
+            assert r["curve"][0] == [0, *(r["start"][k] for k in dr.EVAL_KEYS)], (label, r["seed"])
+            assert r["curve"][-1] == [sp["config"]["steps"], *(r["end"][k] for k in dr.EVAL_KEYS)], (label, r["seed"])
+            assert f"--seed {r['seed']} " in r["command"] and 0 < r["train_wall_s"] <= r["wall_s"]
+        assert sp["summary"] == dr.summarize(rows), label
+        assert sp["provenance"]["commit"] and sp["provenance"]["dirty"] is False, label
+        for k in kernels:  # each kernel set's first run bootstrapped its own agent, the others reused it
+            built = [r["seed"] for r in rows if r["kernels"] == k and r["bootstrap"]["built_by_this_run"]]
+            assert built == [seeds[0]] and len({r["bootstrap"]["model_hash"] for r in rows if r["kernels"] == k}) == 1
+    head = doc["spreads"][doc["headline"]]
+    limits = {k: head["config"][k] for k in AUTO_LIMITS}
+    today = resolve_model_defaults(make_config({}), tiny=True, limits=limits).model_dump()
+    as_json = lambda x: json.loads(json.dumps(x))  # noqa: E731  (tuples read back as lists)
+    assert head["config"] == as_json({k: v for k, v in today.items() if k not in dr.PER_RUN})
+    assert head["bootstrap_config"] == as_json(BootstrapConfig.for_preset("default").to_dict())
+    ends = head["summary"]["end_sampled"]
+    assert ends["min"] >= 0.8 and head["summary"]["end_sampled_range"] <= 0.1
