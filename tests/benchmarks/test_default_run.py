@@ -66,6 +66,12 @@ def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
     assert dr.figure(s, "greedy") == "0.200–0.200 → 0.800–1.000 (0.90 ± 0.10)"
 
 
+def test_by_final_pools_the_chains_that_end_in_a_relation() -> None:
+    row = {"by_chain": {"end": {"sampled": {"born_in": [3.0, 4], "born_in/in_country/ruled_by": [1.0, 4],
+                                            "in_country/ruled_by": [2.0, 4]}}}}  # fmt: skip
+    assert dr.by_final(row, "end") == {"born_in": 0.75, "ruled_by": 0.375}
+
+
 def test_a_spread_is_one_config_from_one_commit(tmp_path: Path) -> None:
     a, b = _row(0, "native", 0.2, 0.8, 0.8, 1.0), _row(1, "native", 0.2, 0.8, 0.8, 1.0)
     with pytest.raises(ConfigError, match="share their config"):
@@ -126,6 +132,10 @@ def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monk
         assert f"TREEGRPO_CACHE={tmp_path / ('cache-' + r['kernels'])}" in r["command"]
         assert r["config"]["steps"] == 2 and "seed" not in r["config"] and (tmp_path / f"{folder.name}.log").is_file()
         assert r["bootstrap_config"] == {"preset": "tiny"} and 0 < r["step_cpu_s"] < r["wall_s"]
+        for when in ("start", "end"):  # the per-chain re-evaluation sums to the run's own figures
+            for mode in ("sampled", "greedy"):
+                ok, n = (sum(x) for x in zip(*r["by_chain"][when][mode].values(), strict=True))
+                assert n == 2 and ok / n == r[when][mode], (when, mode)
     # the native cache held no agent (this run bootstrapped: its bootstrap is taken off its wall), the other did
     assert rows[0]["bootstrap"]["built_by_this_run"] and not rows[1]["bootstrap"]["built_by_this_run"]
     assert rows[0]["train_wall_s"] == pytest.approx(rows[0]["wall_s"] - 12.5) and rows[1]["train_wall_s"] == rows[1]["wall_s"]
@@ -133,7 +143,10 @@ def test_spread_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monk
     again = dr.run_spread(tmp_path, [0], ["native", "default"], jobs=1, log=said.append)
     assert again == rows and said == ["kept native-s0 (finished earlier)", "kept default-s0 (finished earlier)"]
     doc = dr.write_spread(tmp_path / "d.json", "test", rows, "t", "cmd", plot=dr.plot_spreads)
-    assert (tmp_path / "d.png").is_file() and doc["spreads"]["test"]["summary"]["end_sampled"]["n"] == 2
+    summary = doc["spreads"]["test"]["summary"]
+    assert (tmp_path / "d.png").is_file() and summary["end_sampled"]["n"] == 2
+    finals = {c.rsplit("/", 1)[-1] for c in rows[0]["by_chain"]["end"]["sampled"]}
+    assert set(summary["by_final_relation"]) == finals
 
 
 def test_cli_refuses_bad_options_with_one_line() -> None:
@@ -167,6 +180,10 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
             assert r["curve"][0] == [0, *(r["start"][k] for k in dr.EVAL_KEYS)], (label, r["seed"])
             assert r["curve"][-1] == [sp["config"]["steps"], *(r["end"][k] for k in dr.EVAL_KEYS)], (label, r["seed"])
             assert f"--seed {r['seed']} " in r["command"] and 0 < r["train_wall_s"] <= r["wall_s"]
+            for when in ("start", "end"):  # the per-chain re-evaluation is the run's own evaluation
+                for mode in ("sampled", "greedy"):
+                    ok, n = (sum(x) for x in zip(*r["by_chain"][when][mode].values(), strict=True))
+                    assert n == sp["config"]["eval_prompts"] and ok / n == r[when][mode], (label, r["seed"], when)
         assert sp["summary"] == dr.summarize(rows), label
         assert sp["provenance"]["commit"] and sp["provenance"]["dirty"] is False, label
         for k in kernels:  # each kernel set's first run bootstrapped its own agent, the others reused it

@@ -137,6 +137,75 @@ def launch_record(work: Path, kernels: str, seed: int, source: Path | None = Non
     }
 
 
+# Runs under a run's own variables (its kernels, the code it ran): the held-out evaluation of the
+# run's start and end models, as the trainer evaluates (its config, one chain per question, greedy
+# and sampled from the evaluation stream), success summed per question chain.
+_BY_CHAIN = """
+import dataclasses, json, random, sys
+import torch
+from treegrpo.rollout.agent import StepRunner
+from treegrpo.rollout.engine import make_engine
+from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+from treegrpo.training.config import make_config
+from treegrpo.training.evaluate import EVAL_SEED
+from treegrpo.training.setup import build_run
+
+run, out, models = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+torch.set_num_threads(1)
+skip = ("out_dir", "resume", "resume_override")
+base = {k: v for k, v in json.load(open(run + "/config.json")).items() if k not in skip}
+res = {}
+for when, model in models.items():
+    parts = build_run(make_config({**base, "model": model}))
+    engine = make_engine("hf", parts.model, parts.tokenizer)
+    res[when] = {}
+    for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        cfg = dataclasses.replace(parts.agent_cfg, temperature=temp, top_p=1.0)
+        runner = StepRunner(engine, parts.env, parts.tokenizer, cfg)
+        chains = get_sampler("chain")(runner, parts.eval_tasks, SamplerConfig("chain", group_size=1),
+                                      random.Random(EVAL_SEED), torch.Generator().manual_seed(EVAL_SEED))
+        by = {}
+        for task, forest in zip(parts.eval_tasks, chains.forests):
+            for _, leaf in forest.leaves():
+                k = by.setdefault("/".join(task.meta["relations"]), [0.0, 0])
+                k[0] += float(leaf.reward or 0.0)
+                k[1] += 1
+        res[when][mode] = by
+json.dump(res, open(out, "w"), indent=1)
+"""
+
+
+def start_model(folder: Path) -> Path:
+    """The model a finished run started from: its ``--model``, else (the default run) the agent
+    its kernel set's cache bootstrapped."""
+    if (given := json.loads((Path(folder) / "config.json").read_text()).get("model")) is not None:
+        return Path(given)
+    launch = json.loads((Path(folder) / "launch.json").read_text())
+    boot = json.loads((Path(folder) / "checkpoint" / "treegrpo_tiny.json").read_text())
+    return Path(launch["env"]["TREEGRPO_CACHE"]) / "models" / f"{boot['config']['preset']}-{boot['config_hash']}"
+
+
+def ensure_by_chain(folder: Path) -> dict[str, Any]:
+    """A finished run's held-out success per question chain at its start and its end
+    (``by_chain.json`` in its folder, made once): ``{"start"|"end": {"greedy"|"sampled": {chain:
+    [successes, questions]}}}``, re-evaluated under the run's own variables with its config, so the
+    sums are the run's own start and end figures."""
+    folder = Path(folder)
+    out = folder / "by_chain.json"
+    if not out.is_file():
+        launch = json.loads((folder / "launch.json").read_text())
+        models = {"start": str(start_model(folder)), "end": str(folder / "checkpoint")}
+        tmp = folder / "by_chain.json.tmp"
+        res = subprocess.run(
+            [sys.executable, "-c", _BY_CHAIN, str(folder), str(tmp), json.dumps(models)],
+            env={**os.environ, **launch["env"]}, capture_output=True, text=True,
+        )  # fmt: skip
+        if res.returncode != 0:
+            raise RuntimeError(f"the per-chain evaluation of {folder.name} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    return json.loads(out.read_text())
+
+
 def _eval_of(ev: dict[str, float]) -> dict[str, float]:
     return {k: ev[name] for k, name in EVAL_KEYS.items()}
 
@@ -178,6 +247,7 @@ def collect_run(folder: Path) -> dict[str, Any]:
             "warmup_success_greedy": boot["warmup_eval"]["greedy"]["success"],
             "wall_s": boot["timings"]["total_s"],
         },
+        "by_chain": json.loads((folder / "by_chain.json").read_text()) if (folder / "by_chain.json").is_file() else None,
         "command": launch["command"],
         "code": {k: launch[k] for k in ("commit", "dirty", "treegrpo", "versions")},
         "config": {k: v for k, v in config.items() if k not in PER_RUN},
@@ -188,14 +258,32 @@ def collect_run(folder: Path) -> dict[str, Any]:
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean, sd, min and max over the runs of the start and end held-out success (sampled,
     greedy), of the training's wall time (the bootstrap left out) and of its steps' CPU seconds
-    (a shared machine stretches the wall, much less the CPU time); ``end_sampled_range``: the spread max − min of the end."""
+    (a shared machine stretches the wall, much less the CPU time); with every run's ``by_chain``,
+    ``by_final_relation``: the spread of the start's and the end's sampled success per final
+    relation of the questions (:func:`by_final`); ``end_sampled_range``: the spread max − min of the end."""
     out: dict[str, Any] = {
         f"{when}_{mode}": spread(r[when][mode] for r in rows) for when in ("start", "end") for mode in ("sampled", "greedy")
     }
+    if all(r.get("by_chain") for r in rows):  # held-out success per final relation, start and end
+        finals = sorted({c.rsplit("/", 1)[-1] for r in rows for c in r["by_chain"]["end"]["sampled"]})
+        out["by_final_relation"] = {
+            rel: {when: spread(by_final(r, when)[rel] for r in rows) for when in ("start", "end")} for rel in finals
+        }
     out["train_wall_s"] = spread(r["train_wall_s"] for r in rows)
     out["step_cpu_s"] = spread(r["step_cpu_s"] for r in rows)
     out["end_sampled_range"] = out["end_sampled"]["max"] - out["end_sampled"]["min"]
     return out
+
+
+def by_final(row: dict[str, Any], when: str, mode: str = "sampled") -> dict[str, float]:
+    """A row's held-out success at ``when`` (start, end) per final relation of the question chain
+    (``ruled_by``: the questions that ask for a ruler)."""
+    sums: dict[str, list[float]] = {}
+    for chain, (ok, n) in row["by_chain"][when][mode].items():
+        acc = sums.setdefault(chain.rsplit("/", 1)[-1], [0.0, 0])
+        acc[0] += ok
+        acc[1] += n
+    return {rel: ok / n for rel, (ok, n) in sums.items()}
 
 
 def plan(seeds: Sequence[int], kernels: Sequence[str]) -> list[tuple[str, int]]:
@@ -219,6 +307,7 @@ def _run_one(work: Path, kernels: str, seed: int, source: Path | None, log: Log)
     launch = launch_record(work, kernels, seed, source)
     if _finished(folder, launch):
         log(f"kept {folder.name} (finished earlier)")
+        ensure_by_chain(folder)
         return
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / "launch.json", launch)
@@ -229,6 +318,7 @@ def _run_one(work: Path, kernels: str, seed: int, source: Path | None, log: Log)
         ).returncode
     if rc != 0:
         raise RuntimeError(f"run {folder.name} failed (exit status {rc}); its output: {work}/{folder.name}.log")
+    ensure_by_chain(folder)
     log(f"done {folder.name}")
 
 
@@ -331,9 +421,11 @@ def figure(summary: dict[str, Any], mode: str = "sampled") -> str:
 __all__ = [
     "EVAL_KEYS",
     "KERNEL_FLAGS",
+    "by_final",
     "check_kernels",
     "collect_run",
     "cpu_flags",
+    "ensure_by_chain",
     "figure",
     "launch_record",
     "plan",
@@ -342,6 +434,7 @@ __all__ = [
     "run_spread",
     "source_provenance",
     "spread_doc",
+    "start_model",
     "summarize",
     "torch_kernels",
     "train_command",
