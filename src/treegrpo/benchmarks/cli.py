@@ -213,6 +213,7 @@ def bench_default_cmd(
     out: Path = typer.Option(Path("benchmarks/results/default_run.json"), help="Results JSON (plot next to it, .png)."),
     seeds: str = typer.Option("0,1,2,3,4", help="Comma-separated RL seeds (--seed of each run)."),
     kernels: str = typer.Option("native,default", help="Comma-separated torch CPU kernel sets (ATEN_CPU_CAPABILITY; native: the CPU's own), each from a clean cache of its own."),
+    other_seeds: str = typer.Option("", help="Seeds of the kernel sets after the first (default: --seeds)."),
     work: Path = typer.Option(Path("runs/bench-default"), help="Work folder: the runs, their logs and each kernel set's cache (finished runs are kept)."),
     jobs: int = typer.Option(2, help="Runs in parallel (one torch thread each)."),
     label: str = typer.Option("current", help="The spread's name in the results JSON (other spreads there are kept)."),
@@ -228,13 +229,14 @@ def bench_default_cmd(
     from treegrpo.errors import ConfigError
 
     seed_list = _ints(seeds, "--seeds")
+    others = _ints(other_seeds, "--other-seeds") if other_seeds.strip() else None
     kernel_list = [k.strip() for k in kernels.split(",") if k.strip()]
-    if jobs < 1 or len(set(seed_list)) != len(seed_list):
-        _fail("error: --jobs must be >= 1 and --seeds distinct")
+    if jobs < 1 or any(len(set(x)) != len(x) for x in (seed_list, others or ())):
+        _fail("error: --jobs must be >= 1 and --seeds, --other-seeds distinct")
     if source is not None and not (source / "src" / "treegrpo").is_dir():
         _fail(f"error: --source {source}: no src/treegrpo there; give a treegrpo checkout")
     try:
-        rows = run_spread(work, seed_list, kernel_list, jobs=jobs, source=source, log=_log)
+        rows = run_spread(work, seed_list, kernel_list, jobs=jobs, source=source, log=_log, other_seeds=others)
         text = about or f"the default run at commit {rows[0]['code']['commit']}"
         write_spread(out, label, rows, text, shlex.join(invocation()), headline=headline, plot=plot_spreads, log=_log)
     except ConfigError as e:

@@ -286,10 +286,15 @@ def by_final(row: dict[str, Any], when: str, mode: str = "sampled") -> dict[str,
     return {rel: ok / n for rel, (ok, n) in sums.items()}
 
 
-def plan(seeds: Sequence[int], kernels: Sequence[str]) -> list[tuple[str, int]]:
-    """The runs, the first seed of every kernel set first (each bootstraps its set's cache)."""
-    firsts = [(k, seeds[0]) for k in kernels]
-    return firsts + [(k, s) for s in seeds[1:] for k in kernels]
+def plan(
+    seeds: Sequence[int], kernels: Sequence[str], other_seeds: Sequence[int] | None = None
+) -> list[tuple[str, int]]:
+    """The runs: ``seeds`` on the first kernel set, ``other_seeds`` (default: ``seeds``) on the
+    others; the first seed of every kernel set first (each bootstraps its set's cache)."""
+    per = {k: list(seeds if i == 0 or other_seeds is None else other_seeds) for i, k in enumerate(kernels)}
+    firsts = [(k, per[k][0]) for k in kernels]
+    rest = [(k, s) for i in range(1, max(map(len, per.values()))) for k in kernels if i < len(per[k]) for s in [per[k][i]]]
+    return firsts + rest
 
 
 def _finished(folder: Path, launch: dict[str, Any]) -> bool:
@@ -329,11 +334,12 @@ def run_spread(
     jobs: int = 2,
     source: Path | None = None,
     log: Log = print,
+    other_seeds: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run (or keep) every run of ``seeds`` × ``kernels`` in ``work``, ``jobs`` at a time (the
-    kernel sets' first runs before the others start), and return their rows."""
+    """Run (or keep) every run of :func:`plan` in ``work``, ``jobs`` at a time (the kernel sets'
+    first runs before the others start), and return their rows."""
     check_kernels(kernels)
-    todo = plan(seeds, kernels)
+    todo = plan(seeds, kernels, other_seeds)
     firsts, rest = todo[: len(kernels)], todo[len(kernels) :]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for batch in (firsts, rest):  # every kernel set bootstrapped before its other seeds run
