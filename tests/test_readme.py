@@ -5,7 +5,8 @@
   flags must appear in its ``--help`` (and each ``--set key=value`` key must be a ``TrainConfig``
   field), ``python -m pytest``'s flags in pytest's ``--help``, ``pip install``'s extras in
   ``pyproject.toml`` and its pins in ``constraints.txt``, a script or test file it names must exist.
-- The ``text`` block (what a run prints) must agree with ``benchmarks/results/default_run.json``.
+- The ``text`` block (what a run prints) must agree with one run of ``benchmarks/results/default_run.json``,
+  and the default run's figure in the README and docs is the spread over all its runs.
 - The ``treegrpo`` commands in the README's inline code (the results table) and in the bash blocks
   of ``docs/*.md`` get the same ``--help`` check, and relative links resolve (anchors included).
 
@@ -271,23 +272,27 @@ def test_readme_inline_and_docs_commands_exist() -> None:
     assert problems == []
 
 
+DEFAULT_RUN = ROOT / "benchmarks" / "results" / "default_run.json"
+#: The run the README's excerpt prints: the headline spread's seed 0 on the CPU's own kernels.
+EXCERPT_RUN = (0, "native")
+
+
+def default_spread() -> dict:
+    """The spread of the default run the README shows (``bench default``'s headline)."""
+    doc = json.loads(DEFAULT_RUN.read_text())
+    return doc["spreads"][doc["headline"]]
+
+
 def check_run_excerpt(body: str) -> None:
-    """The figures of the excerpt are those of the recorded default run."""
-    s = json.loads((ROOT / "benchmarks" / "results" / "default_run.json").read_text())["summary"]
-    start, end = s["eval_start"], s["eval_end"]
+    """The figures of the excerpt are those of one recorded run of the headline spread (seed 0,
+    the CPU's own kernels)."""
+    spread = default_spread()
+    (s,) = [r for r in spread["rows"] if (r["seed"], r["kernels"]) == EXCERPT_RUN]
+    start, end = s["start"], s["end"]
     rows = {
-        "held-out success, sampled T=1": [
-            f"{start['eval/success_sampled']:.3f}",
-            f"{end['eval/success_sampled']:.3f}",
-        ],
-        "held-out success, greedy": [
-            f"{start['eval/success_greedy']:.3f}",
-            f"{end['eval/success_greedy']:.3f}",
-        ],
-        "tool calls / trajectory (eval, sampled)": [
-            f"{start['eval/tool_calls_sampled']:.2f}",
-            f"{end['eval/tool_calls_sampled']:.2f}",
-        ],
+        "held-out success, sampled T=1": [f"{start['sampled']:.3f}", f"{end['sampled']:.3f}"],
+        "held-out success, greedy": [f"{start['greedy']:.3f}", f"{end['greedy']:.3f}"],
+        "tool calls / trajectory (eval, sampled)": [f"{start['tool_calls']:.2f}", f"{end['tool_calls']:.2f}"],
         "trajectories trained": [str(s["trajectories"])],
         "generated tokens": [str(s["generated_tokens"])],
         "trajectories per 1k generated tokens": [f"{s['trajectories_per_1k_tokens']:.2f}"],
@@ -306,7 +311,8 @@ def check_run_excerpt(body: str) -> None:
         f"step    0 · held-out success sampled {rows['held-out success, sampled T=1'][0]} · greedy {rows['held-out success, greedy'][0]}"
         in body
     )
-    last = f"step {s['steps']:>4} · "
+    steps = spread["config"]["steps"]
+    last = f"step {steps:>4} · "
     assert any(
         x.startswith(last)
         and x.endswith(
@@ -314,7 +320,26 @@ def check_run_excerpt(body: str) -> None:
         )
         for x in body.splitlines()
     )
-    assert f"· {s['steps']} steps" in body
+    assert f"· {steps} steps" in body and f"model ~/.cache/treegrpo/models/{s['bootstrap']['model']} ·" in body
+
+
+def test_the_default_runs_figures_are_the_spread_of_its_runs() -> None:
+    """The README's and docs' figure for the default run is the range (and mean ± sd) over every
+    run of the recorded spread, computed from ``default_run.json``, not one seed's."""
+    from treegrpo.benchmarks.default_run import figure
+
+    spread = default_spread()
+    summary, rows = spread["summary"], spread["rows"]
+    seeds = sorted({r["seed"] for r in rows})
+    kernels = sorted({r["torch_kernels"] for r in rows})
+    sampled, greedy = figure(summary), figure(summary, "greedy")
+    what = f"{len(rows)} runs: {len(seeds)} seeds × {len(kernels)} CPU kernel sets"
+    readme = README.read_text()
+    assert f"| default run, tiny agent | held-out success {sampled} sampled, {greedy} greedy ({what}) |" in readme
+    assert f"held-out success over {what} ({', '.join(kernels)}):" in readme
+    assert f"sampled **{sampled}**, greedy {greedy}" in readme
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert f"held-out success {sampled} sampled, {greedy} greedy ({what})" in docs
 
 
 _SLUG_DROP = re.compile(r"[^\w\- ]")

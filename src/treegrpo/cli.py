@@ -389,7 +389,7 @@ def bootstrap_cmd(
     from treegrpo.tasks.world.bootstrap import BootstrapConfig, bootstrap, default_model_dir, is_bootstrapped
 
     try:
-        cfg = BootstrapConfig(preset=preset, seed=seed)
+        cfg = BootstrapConfig.for_preset(preset, seed=seed)  # the preset's recipe
         cfg.world_config()
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)

@@ -139,6 +139,38 @@ def test_bootstrap_records_and_reloads(arith_model_dir: Path) -> None:
         load_arith_setup(arith_model_dir.parent / "nope")
 
 
+def test_bootstrap_prints_progress_lines_when_output_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first-time bootstrap writing to a log or a pipe (a bar shows nothing there until it ends)
+    says how far its warm-up is as plain lines, and ends with the measured success."""
+    from treegrpo.models.loader import tiny_info
+
+    folder = bootstrap_arith(tmp_path / "model", TINY_BOOT, progress=True)
+    out = capsys.readouterr().out
+    total = tiny_info(folder)["sft"]["steps"]
+    lines = [x for x in out.splitlines() if x.startswith("warm-up (SFT) loss ")]
+    assert total >= 2 and [x.split(" · ")[1] for x in lines] == [f"{k}/{total}" for k in range(1, total + 1)]
+    assert "━" not in out and out.splitlines()[-1].startswith("bootstrap arith: warm-up success sampled ")
+    assert out.splitlines()[-1].endswith(f"saved to {folder} in {round(tiny_info(folder)['timings']['total_s'])}s")
+
+
+def test_plain_progress_says_every_twentieth_and_the_end() -> None:
+    import io
+
+    from rich.console import Console
+
+    from treegrpo.progress import PlainProgress
+
+    buf = io.StringIO()
+    p = PlainProgress(Console(file=buf, width=200))
+    task = p.add_task("sft", total=1308)
+    for k in range(1308):
+        p.update(task, advance=1, description=f"sft {k}")
+    said = [line.split(" · ")[1] for line in buf.getvalue().splitlines()]
+    assert said == [f"{-(-1308 * j // 20)}/1308" for j in range(1, 20)] + ["1308/1308"]
+
+
 def test_run_parts_follow_the_bootstrap(arith_model_dir: Path) -> None:
     from treegrpo.training.config import make_config
 

@@ -3,6 +3,7 @@ The main command line (:mod:`treegrpo.cli`) mounts this sub-app."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import NoReturn
 
@@ -207,6 +208,43 @@ def bench_learn_cmd(
     )
 
 
+@bench.command("default")
+def bench_default_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/default_run.json"), help="Results JSON (plot next to it, .png)."),
+    seeds: str = typer.Option("0,1,2,3,4", help="Comma-separated RL seeds (--seed of each run)."),
+    kernels: str = typer.Option("native,default", help="Comma-separated torch CPU kernel sets (ATEN_CPU_CAPABILITY; native: the CPU's own), each from a clean cache of its own."),
+    other_seeds: str = typer.Option("", help="Seeds of the kernel sets after the first (default: --seeds)."),
+    work: Path = typer.Option(Path("runs/bench-default"), help="Work folder: the runs, their logs and each kernel set's cache (finished runs are kept)."),
+    jobs: int = typer.Option(2, help="Runs in parallel (one torch thread each)."),
+    label: str = typer.Option("current", help="The spread's name in the results JSON (other spreads there are kept)."),
+    about: str = typer.Option("", help="One line on what this spread is (default: the code it ran)."),
+    headline: bool = typer.Option(True, help="Make this spread the one the README shows."),
+    source: Path | None = typer.Option(None, help="A checkout whose src/ the runs import (default: this treegrpo)."),
+) -> None:
+    """The spread of the default run (`treegrpo train` with no arguments) over RL seeds and CPU
+    kernel sets: held-out success at the start and the end of every run, each kernel set
+    bootstrapping its own tiny agent as a fresh machine would."""
+    from treegrpo.benchmarks.default_run import plot_spreads, run_spread, write_spread
+    from treegrpo.benchmarks.provenance import invocation
+    from treegrpo.errors import ConfigError
+
+    seed_list = _ints(seeds, "--seeds")
+    others = _ints(other_seeds, "--other-seeds") if other_seeds.strip() else None
+    kernel_list = [k.strip() for k in kernels.split(",") if k.strip()]
+    if jobs < 1 or any(len(set(x)) != len(x) for x in (seed_list, others or ())):
+        _fail("error: --jobs must be >= 1 and --seeds, --other-seeds distinct")
+    if source is not None and not (source / "src" / "treegrpo").is_dir():
+        _fail(f"error: --source {source}: no src/treegrpo there; give a treegrpo checkout")
+    try:
+        rows = run_spread(work, seed_list, kernel_list, jobs=jobs, source=source, log=_log, other_seeds=others)
+        text = about or f"the default run at commit {rows[0]['code']['commit']}"
+        write_spread(out, label, rows, text, shlex.join(invocation()), headline=headline, plot=plot_spreads, log=_log)
+    except ConfigError as e:
+        _fail(f"error: {e}")
+    except RuntimeError as e:
+        _fail(f"error: {e}", code=1)
+
+
 @bench.command("stateful")
 def bench_stateful_cmd(
     out: Path = typer.Option(Path("benchmarks/results/stateful.json"), help="Results JSON (plot next to it, .png)."),
@@ -304,24 +342,6 @@ def bench_scale_cmd(
         run_bench(out, steps=steps, worlds=(1, nproc), model=model, extra=extra, log=_log)
     except RuntimeError as e:
         _fail(f"error: {e}")
-
-
-@bench.command("default-run")
-def bench_default_run_cmd(
-    out: Path = typer.Option(Path("benchmarks/results/default_run.json"), help="Results JSON."),
-    run_dir: Path | None = typer.Option(None, help="The run folder (default: treegrpo train's, runs/tree)."),
-    set_: list[str] = typer.Option([], "--set", help="A TrainConfig field for a short check (key=value, repeatable); the README's figures use none."),
-) -> None:
-    """`treegrpo train` with no arguments, recorded as the README's default-run figures: the
-    run's summary, config and provenance. From a clean cache: TREEGRPO_CACHE=$(mktemp -d)."""
-    from treegrpo.benchmarks.default_run import run_default
-    from treegrpo.training.config import ConfigError, parse_set
-
-    try:
-        run_default(out, run_dir, parse_set(set_))
-    except ConfigError as e:
-        _fail(f"error: {e}")
-    _log(f"wrote {out}")
 
 
 @bench.command("peers")

@@ -136,7 +136,7 @@ class Regime:
 
 _REGIMES = (
     Regime("default", "default", 40, 8, 1e-4, 10, 200,
-           about="the embedded default world and starting policy (answers after one search 80% of the time), "
+           about="the embedded default world and starting policy (answers after one search about 70% of the time), "
            "a slow learning rate so the switch to multi-hop is not finished within the run"),
     Regime("shortcut3", "shortcut3", 40, 8, 1e-4, 10, 400,
            about="2- and 3-hop questions only; the starting policy answers after one search (sampled success "

@@ -137,7 +137,7 @@ def run_warmup(
     every = run.log_every or max(1, steps // 20)
     say = None if console.is_terminal else (lambda line: console.print(line, markup=False, highlight=False))
     console.print(f"SFT: {steps} optimizer steps of {run.sft.batch_size} demos")
-    with progress_bars(True) as prog:
+    with progress_bars(console.is_terminal) as prog:  # a log gets `say`'s lines instead of a bar
         sft = supervised_warmup(
             model, encoded, run.sft, tok.pad_token_id, random.Random(run.seed), prog, say=say, say_every=every
         )

@@ -56,7 +56,11 @@ class BootstrapConfig(recipe.LoopRecipeConfig):
         topk: passages per search in the env (the RL run must use the same).
         prompt_template: the env's prompt template (``minimal``: few prompt tokens).
         p_guess: a demo answers without searching (a random entity of the answer's type).
-        p_shortcut: per intermediate hop, a multi-hop demo answers with the bridge entity it just found.
+        p_shortcut: per intermediate hop, a multi-hop demo answers with the bridge entity it just found
+            (0.5; the ``shortcut3`` and ``rare3`` presets keep 0.7, :data:`PRESET_RECIPES`). The
+            warm-up learns the target world's facts from its demos: a fact no demo reaches (at 0.7,
+            5 of the default world's 12 rulers were never a demo's answer) is one the starting
+            policy never produces, and RL, which only reinforces what it samples, cannot learn it.
         p_bad_query: per search after the first, a demo searches another entity named in the last
             observation, then answers with a name that entity's passage gives.
         demos_per_question: demonstrations drawn per warm-up question, with independent
@@ -83,7 +87,7 @@ class BootstrapConfig(recipe.LoopRecipeConfig):
     layers: int = 3
     threads: int | None = 1
     p_guess: float = 0.0
-    p_shortcut: float = 0.7
+    p_shortcut: float = 0.5
     p_bad_query: float = 0.05
     demos_per_question: int = 1
     aux_worlds: int = 6
@@ -97,12 +101,13 @@ class BootstrapConfig(recipe.LoopRecipeConfig):
         return world if self.world_seed is None else replace(world, seed=self.world_seed)
 
     @classmethod
-    def for_preset(cls, preset: str = "default", world_seed: int | None = None) -> BootstrapConfig:
-        """The bootstrap recipe of a world preset, on the preset's world or its ``world_seed``
-        variant."""
+    def for_preset(cls, preset: str = "default", world_seed: int | None = None, **settings: Any) -> BootstrapConfig:
+        """The bootstrap recipe of a world preset (the class defaults, with the preset's own
+        :data:`PRESET_RECIPES` and then ``settings`` over them), on the preset's world or its
+        ``world_seed`` variant."""
         if world_seed == get_preset(preset).seed:  # (a clear error for an unknown name, too)
             world_seed = None  # the preset's own world: one cached model, however it is named
-        return cls(preset=preset, world_seed=world_seed)
+        return cls(preset=preset, world_seed=world_seed, **{**PRESET_RECIPES.get(preset, {}), **settings})
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,6 +115,13 @@ class BootstrapConfig(recipe.LoopRecipeConfig):
         del d["world_seed"]
         return d
 
+
+#: The bootstrap settings a world preset's recipe sets over :class:`BootstrapConfig`'s defaults:
+#: the regimes of ``bench learn`` built on the shortcut habit keep the recipe they were measured with.
+PRESET_RECIPES: dict[str, dict[str, Any]] = {
+    "shortcut3": {"p_shortcut": 0.7},
+    "rare3": {"p_shortcut": 0.7},
+}
 
 #: What a search-world measurement reports, in this order (:func:`search_metrics`).
 SEARCH_METRICS = (
@@ -195,14 +207,14 @@ def bootstrap(folder: str | Path, cfg: BootstrapConfig | None = None, progress: 
     :func:`~treegrpo.models.tiny.save_tiny`. The folder appears atomically: it is built in a temp
     folder beside ``folder`` and renamed into place.
     """
-    cfg = cfg or BootstrapConfig()
+    cfg = cfg or BootstrapConfig.for_preset()
     return recipe.build_tiny_agent(WORLD_RECIPE, folder, cfg, progress, cfg.threads)
 
 
 def default_model_dir(cfg: BootstrapConfig | None = None) -> Path:
     """Where the bootstrapped model of ``cfg`` is cached:
     ``user_cache_dir()/models/<preset>-<config hash>``."""
-    cfg = cfg or BootstrapConfig()
+    cfg = cfg or BootstrapConfig.for_preset()
     name = cfg.preset if cfg.world is None else "custom"
     if cfg.world_seed is not None:
         name += f"-w{cfg.world_seed}"
