@@ -81,7 +81,7 @@ def test_plain_metrics_need_no_history_and_reject_unknown() -> None:
     assert o.reward == 1.0
     with pytest.raises(ValueError, match="unknown reward"):
         SearchEnv(_Fixed(), metric="bleu")
-    assert make_config({"reward": "format"}).reward == "format"
+    assert make_config({"reward": "format"}).reward == ["format"]
 
 
 def test_agent_loop_passes_histories(tiny_model_dir) -> None:

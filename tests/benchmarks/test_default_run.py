@@ -170,7 +170,8 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
     recipe), each kernel set bootstrapped its own agent, and it meets issue 34's bar: every run
     ends at held-out sampled success >= 0.8, all within 0.1."""
     from treegrpo.tasks.world.bootstrap import BootstrapConfig
-    from treegrpo.training.config import AUTO_LIMITS, make_config, resolve_model_defaults
+    from treegrpo.training.config import make_config
+    from treegrpo.training.defaults import AUTO_LIMITS, resolve_model_defaults
 
     doc = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "default_run.json").read_text())
     assert doc["what"] == dr.WHAT and doc["headline"] in doc["spreads"] and "before" in doc["spreads"]

@@ -45,6 +45,9 @@ NULLABLE: tuple[str, ...] = (
 MAY_BE_EMPTY: tuple[str, ...] = ()
 #: Keys a tiny run may lack: ``bench real``'s per-mode step costs (the test measures one mode).
 MAY_LACK: tuple[str, ...] = ("/checks/peak_rss_*",)
+#: Config fields whose kind changed since a committed file was written: ``reward`` became a list of
+#: reward names (several reward functions, issue 31); a committed file may hold the one name.
+RETYPED: dict[str, tuple[str, str]] = {"/config/reward": ("list", "str"), "/settings/treegrpo_config/reward": ("list", "str")}
 
 
 def _kind(x: Any) -> str:
@@ -85,7 +88,7 @@ def shape_problems(new: Any, old: Any, path: str = "", entry: bool = False) -> l
         return []
     if new is None:
         return [] if _at(path, NULLABLE) else [f"{where}: null where the committed file has {_kind(old)}"]
-    if _kind(new) != _kind(old):
+    if _kind(new) != _kind(old) and RETYPED.get(path) != (_kind(new), _kind(old)):
         return [f"{where}: {_kind(new)} where the committed file has {_kind(old)}"]
     out: list[str] = []
     if isinstance(old, dict):

@@ -247,7 +247,7 @@ def test_only_global_rank_0_prints_the_summary(
         trajectories=12, generated_tokens=100, prefill_tokens=300, tool_calls=4, wall_s=2.0, rollout_s=1.0,
         update_s=1.0, em_curve=[],
     )  # fmt: skip
-    monkeypatch.setattr(run_mod, "train", lambda cfg, console: done)
+    monkeypatch.setattr(run_mod, "train", lambda cfg, console, **kw: done)
     printed = {}
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
