@@ -32,7 +32,7 @@ def test_budget_forms() -> None:
     assert parse_budget_tokens(64) == ("tokens", 64.0)
     assert parse_budget_tokens("64") == ("tokens", 64.0)
     for bad in ("chain:", "chain:x", "chains:2", "tokens", 0, -3, "chain:0", True):
-        with pytest.raises(ConfigError, match="budget_tokens .* chain:G"):
+        with pytest.raises(ConfigError, match=r"budget_tokens .* chain:G"):
             parse_budget_tokens(bad)  # type: ignore[arg-type]
     # chain:G is G times the mean chain of the call; a number is itself
     assert token_limit("chain:2", [10, 20, 30]) == pytest.approx(40.0)

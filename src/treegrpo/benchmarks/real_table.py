@@ -170,7 +170,7 @@ def run_one(
         "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
         "advantage": run.advantage, "seed": run.seed, "world_seed": run.world_seed,
         "em_start": s.eval_start["eval/success_sampled"], "em_end": s.eval_end["eval/success_sampled"],
-        "em_greedy_end": s.eval_end["eval/success_greedy"], "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
+        "em_greedy_end": s.eval_end["eval/success_greedy"], "em_curve": [[int(p[0]), float(p[1])] for p in s.em_curve],
         "generated_tokens": s.generated_tokens, "tool_calls": s.tool_calls, "trajectories": s.trajectories,
         "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
         "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),

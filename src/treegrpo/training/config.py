@@ -221,7 +221,7 @@ class TrainConfig(BaseModel):
     # -- evaluation, logging, checkpoints ---------------------------------------------------------
     eval_every: int = Field(40, ge=0, description="Evaluate every N steps (0: only at start and end).")
     eval_every_tokens: int = Field(
-        0, ge=0, description="Also evaluate after each step that takes the run's generated tokens past a multiple of this (0: off): EM-per-token curves with points at equal cost."
+        0, ge=0, description="Also evaluate after each step that takes the run's generated tokens past a multiple of this (0: off): EM-per-token curves with points at equal cost. These extra points are sampled only (when eval_sampled); greedy stays at the regular evaluations."
     )
     eval_prompts: int = Field(128, ge=1, description="Held-out prompts per evaluation.")
     eval_sampled: bool = Field(True, description="Also evaluate with sampling at T=1 (besides greedy).")

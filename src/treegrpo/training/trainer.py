@@ -234,9 +234,10 @@ def train(
                 metrics["mem/peak_rss_gb"] = rss  # this process's high-water mark, before the step's evaluation
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
                 metrics["actor/lr"] = lr
-            if eval_due(cfg, step, tokens_before, run.totals["generated_tokens"]):
+            if due := eval_due(cfg, step, tokens_before, run.totals["generated_tokens"]):
                 policy.rollout_module()  # FSDP2: the engine's full copy refreshed from the shards
-                run.last_eval = par.on_main(lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled))
+                greedy = due == "full"  # a token checkpoint alone: the sampled half only (when measured)
+                run.last_eval = par.on_main(lambda g=greedy: evaluate(runner, parts.eval_tasks, cfg.eval_sampled, g))
                 metrics.update(run.last_eval)
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval), run.totals["tool_calls"]])
             monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
@@ -268,16 +269,15 @@ def train(
     return summary
 
 
-def eval_due(cfg: TrainConfig, step: int, tokens_before: int, tokens_after: int) -> bool:
-    """Whether ``step`` ends with a held-out evaluation: every ``eval_every`` steps, the last step,
-    and (``eval_every_tokens``) each step that took the run's generated tokens from
-    ``tokens_before`` past a multiple of ``eval_every_tokens``."""
+def eval_due(cfg: TrainConfig, step: int, tokens_before: int, tokens_after: int) -> str | None:
+    """Whether ``step`` ends with a held-out evaluation: ``"full"`` every ``eval_every`` steps and
+    at the last step; ``"tokens"`` (``eval_every_tokens``) at any other step that took the run's
+    generated tokens from ``tokens_before`` past a multiple of ``eval_every_tokens`` (a point on the
+    EM-per-token curve: sampled only, when ``eval_sampled``); ``None`` otherwise."""
+    if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+        return "full"
     k = cfg.eval_every_tokens
-    return (
-        bool(cfg.eval_every and step % cfg.eval_every == 0)
-        or step == cfg.steps
-        or bool(k and tokens_after // k > tokens_before // k)
-    )
+    return "tokens" if k and tokens_after // k > tokens_before // k else None
 
 
 def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
