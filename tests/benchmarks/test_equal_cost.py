@@ -82,8 +82,8 @@ def test_token_plan() -> None:
     ]  # fmt: skip
     tree = next(s for s in specs if s.label == "tree (2,2) nonroot tokens=chain 4")
     assert tree.overrides() == {"sampler": "tree", "m": 2, "n": 2, "l": 1, "expand_mode": "nonroot", "advantage": "tree_grpo",
-                                "seed": 0, "budget_tokens": "chain:4", "eval_every_tokens": 2000, "eval_every": 0}  # fmt: skip
-    assert specs[0].overrides()["eval_every_tokens"] == 1000 and "budget_tokens" not in specs[0].overrides()
+                                "seed": 0, "budget_tokens": "chain:4", "eval_every_tokens": 4000, "eval_every": 0}  # fmt: skip
+    assert specs[0].overrides()["eval_every_tokens"] == 2000 and "budget_tokens" not in specs[0].overrides()
 
 
 def test_token_table_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

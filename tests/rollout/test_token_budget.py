@@ -19,8 +19,14 @@ from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler, sample_chains
-from treegrpo.rollout.token_budget import parse_budget_tokens, pick_within, remaining_cost, token_limit
-from treegrpo.tree import Node, Tree
+from treegrpo.rollout.token_budget import (
+    parse_budget_tokens,
+    pick_within,
+    remaining_cost,
+    tail_costs,
+    token_limit,
+)
+from treegrpo.tree import Forest, Node, Tree
 
 DOCS = [Doc("0", "paris\nparis is the capital of france."), Doc("1", "rome\nrome is the capital of italy.")]
 TASKS = [Task(f"q{i}", f"what is the capital of country{i}?", ["paris"]) for i in range(4)]
@@ -50,19 +56,23 @@ def hand_tree() -> Tree:
                  _node(4, 0, 3, reward=0.0)])  # fmt: skip
 
 
-def test_remaining_cost_is_the_mean_generated_tail() -> None:
+def test_tail_costs_pool_every_ended_path_by_depth() -> None:
     t = hand_tree()
-    # root: the whole paths 10+4, 10+6, 3 -> mean 33/3; node 1: its answers 4 and 6 -> 5
-    assert remaining_cost(t, 0) == pytest.approx(11.0)
-    assert remaining_cost(t, 1) == pytest.approx(5.0)
-    assert remaining_cost(Tree([_node(0, None, 0), _node(1, 0, 0, reward=0.0)]), 0) == 1.0  # at least one
+    other = Tree([_node(0, None, 0, 5), _node(1, 0, 8, 5), _node(2, 1, 2, reward=1.0), _node(3, 0, 9)])  # 3: in flight
+    tails = tail_costs([Forest("a", [t]), Forest("b", [other])])
+    # depth 0: whole paths 14, 16, 3 and 10 (the in-flight path is no sample yet); depth 1: the tails
+    # after a first step that did not end there: 4, 6 and 2
+    assert tails == {0: pytest.approx(43 / 4), 1: pytest.approx(4.0)}
+    assert remaining_cost(tails, t, 0) == pytest.approx(43 / 4) and remaining_cost(tails, t, 1) == 4.0
+    assert remaining_cost({}, t, 1) == 1.0  # at least one
 
 
 def test_pick_within_only_what_fits() -> None:
     t = hand_tree()
+    tails = {0: 11.0, 1: 5.0}
 
     def cost(nd: Node) -> float:
-        return remaining_cost(t, nd.id)
+        return remaining_cost(tails, t, nd.id)
 
     rng = random.Random(0)
     # room 8: only node 1 (cost 5) fits, never the root (11)
@@ -73,7 +83,7 @@ def test_pick_within_only_what_fits() -> None:
     times: dict[int, int] = {}
     assert pick_within(t, "entropy", rng, cost, 20.0, times) is not None and sum(times.values()) == 1
     only_root = Tree([_node(0, None, 0), _node(1, 0, 8, reward=0.0)])
-    assert pick_within(only_root, "nonroot", rng, lambda nd: remaining_cost(only_root, nd.id), 8.0, {}).id == 0  # type: ignore[union-attr]
+    assert pick_within(only_root, "nonroot", rng, lambda nd: 8.0, 8.0, {}).id == 0  # type: ignore[union-attr]
 
 
 def policy(context: str, draw: float) -> str:
@@ -114,7 +124,8 @@ def test_token_matched_tree_spends_the_chains_tokens(runner: StepRunner, mode: s
         assert limit == pytest.approx(chain_mean, abs=1e-3)  # the same policy: the same mean chain
         for f, b in zip(res.forests, res.budgets, strict=True):  # per prompt: never past the limit (costs
             # are exact here), and short of it by less than the cheapest expansion it could still make
-            cheapest = min(remaining_cost(t, nd.id) for t in f.trees for nd in t.nodes if not t.is_leaf(nd.id))
+            tails = tail_costs(res.forests)
+            cheapest = min(remaining_cost(tails, t, nd.id) for t in f.trees for nd in t.nodes if not t.is_leaf(nd.id))
             assert limit - cheapest < b.generated_tokens <= limit + 1e-9
 
 

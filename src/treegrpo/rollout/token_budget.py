@@ -12,15 +12,15 @@ tokens). Here the cost is fixed and the shape varies per prompt:
    M·P chains just sampled from the current policy: an unbiased estimate of what the chain sampler
    with G chains would spend per prompt now). Every prompt gets the same limit.
 3. **Expand** in rounds per prompt: up to N picks per tree per round (trees interleaved); a node is
-   eligible only if its *expected cost* — the mean generated tokens from it to a leaf over the
-   leaves already below it (:func:`remaining_cost`) — fits in what is left of the prompt's limit
+   eligible only if its *expected cost* — the mean generated tokens after a node of its depth over
+   every trajectory of the call ended so far (:func:`tail_costs`) — fits in what is left of the prompt's limit
    after the tokens already spent and the expected cost of the round's earlier picks. Among the
    eligible nodes the pick rule is the nominal one (``random``, ``nonroot``, ``entropy``,
    :func:`pick_within`). The next round starts when the prompt's round has ended, so every
    admission sees every token spent so far. Rounds end when no node fits.
 
 A prompt thus spends its limit up to the cheapest expansion it could not afford (under) and the
-amount by which its last expansions ran longer than their nodes' measured mean (over); every token
+amount by which its last expansions ran longer than their depth's measured mean (over); every token
 is still booked once through :class:`~treegrpo.rollout.agent.Budget`, exactly as in every sampler.
 Each forest records its limit in ``extra["token_limit"]``.
 """
@@ -39,7 +39,7 @@ from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
 from treegrpo.rollout.engine import release_engine_cache
 from treegrpo.rollout.sampling import ExpandMode, SamplerConfig
 from treegrpo.rollout.trees import initialize, surprise_scores
-from treegrpo.tree import Node, Tree
+from treegrpo.tree import Forest, Node, Tree
 
 BudgetTokens = int | float | str
 """A token budget per prompt: a number of generated tokens, or ``"chain:G"``."""
@@ -81,16 +81,32 @@ def generated(node: Node) -> int:
     return node.n_policy_tokens
 
 
-def remaining_cost(tree: Tree, node_id: int) -> float:
-    """Expected generated tokens of a trajectory continued from ``node_id``: the mean, over the
-    leaves already below it, of the tokens generated after it on their paths (for the root: the
-    mean cost of one whole chain of this tree); at least 1 (every expansion books something)."""
-    costs = []
-    for leaf in tree.leaves_under(node_id):
-        path = tree.path(leaf.id)
-        below = path[[n.id for n in path].index(node_id) + 1 :]
-        costs.append(sum(generated(n) for n in below))
-    return max(1.0, sum(costs) / len(costs)) if costs else 1.0
+def tail_costs(forests: Sequence[Forest]) -> dict[int, float]:
+    """Expected generated tokens of a trajectory continued from a node at each depth: over every
+    ended root→leaf path of ``forests`` (its leaf has a reward) that goes below depth ``d``, the mean tokens generated after its
+    depth-``d`` node (depth 0: the mean cost of a whole chain). Pooled over the call's prompts, so
+    every node of a depth gets the same estimate and an admission never favours a node whose one
+    sampled tail happened to be short (which would overshoot on average)."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for forest in forests:
+        for tree in forest.trees:
+            for leaf in tree.leaves():
+                if leaf.reward is None:  # a trajectory still in flight (another prompt's): not a sample yet
+                    continue
+                gen = [generated(n) for n in tree.path(leaf.id)[1:]]
+                tail = float(sum(gen))
+                for d, g in enumerate(gen):
+                    sums[d] = sums.get(d, 0.0) + tail
+                    counts[d] = counts.get(d, 0) + 1
+                    tail -= g
+    return {d: sums[d] / counts[d] for d in sums}
+
+
+def remaining_cost(tails: dict[int, float], tree: Tree, node_id: int) -> float:
+    """The expected cost of continuing from ``node_id``: its depth's :func:`tail_costs` entry, at
+    least 1 (every expansion books something)."""
+    return max(1.0, tails.get(tree.depth(node_id), 1.0))
 
 
 def pick_within(
@@ -144,14 +160,15 @@ def sample_token_matched(
 
     def round_of(fi: int) -> list[Cursor]:
         forest, room = forests[fi], limit - spent(fi)
+        tails = tail_costs(forests)  # every trajectory ended so far, all prompts
         times: list[dict[int, int]] = [{} for _ in forest.trees]
         new: list[Cursor] = []
         for _ in range(cfg.n):
             for ti, tree in enumerate(forest.trees):
-                node = pick_within(tree, cfg.expand_mode, rng, lambda nd, t=tree: remaining_cost(t, nd.id), room, times[ti])
+                node = pick_within(tree, cfg.expand_mode, rng, lambda nd, t=tree: remaining_cost(tails, t, nd.id), room, times[ti])
                 if node is None:
                     continue
-                room -= remaining_cost(tree, node.id)
+                room -= remaining_cost(tails, tree, node.id)
                 new.append(Cursor(fi, tree, node.id, tree.context(node.id), tree.depth(node.id), tasks[fi]))
         in_flight[fi] = len(new)
         return new
@@ -169,5 +186,6 @@ def sample_token_matched(
 
 
 __all__ = [
-    "BudgetTokens", "parse_budget_tokens", "pick_within", "remaining_cost", "sample_token_matched", "token_limit",
+    "BudgetTokens", "parse_budget_tokens", "pick_within", "remaining_cost", "sample_token_matched", "tail_costs",
+    "token_limit",
 ]  # fmt: skip
