@@ -247,6 +247,9 @@ def bench_real_cmd(
     budgets: str = typer.Option("2,4", help="--table: chain budgets, each paired with the paper's tree (2: (1,2,1), 4: (2,2,1), 8: (2,6,1), 16: (4,5,1))."),
     seeds: str = typer.Option("0,1", help="--table: seeds; one chain/tree pair per budget and seed."),
     eval_every: int = typer.Option(0, help="--table: steps between held-out evaluations inside a run (the EM curve); 0 = the end only."),
+    matched: str = typer.Option("nominal", help="--table: nominal (the paper's tree shapes) | tokens (the tree token-matched to its chain: budget_tokens chain:B; compared at equal generated tokens and tool calls)."),
+    eval_every_tokens: int = typer.Option(0, help="--table: also evaluate every this many generated tokens (sampled only; the EM-per-token curve)."),
+    probe_prompts: int = typer.Option(0, help="--table --matched tokens: before the runs, the fraction of informative groups (leaves that disagree) at the start on this many training prompts, per sampler."),
     data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
     corpus: str = typer.Option("wiki-vital", help="Retriever corpus (BM25, in process)."),
     demos: int = typer.Option(96, help="Warm-up demonstrations."),
@@ -287,7 +290,7 @@ def bench_real_cmd(
             from treegrpo.benchmarks.real import table_bench
 
             table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
-                        _ints(seeds, "--seeds"), eval_every, _log)  # fmt: skip
+                        _ints(seeds, "--seeds"), eval_every, _log, matched, eval_every_tokens, probe_prompts)  # fmt: skip
             return
         run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=_log)
     except ConfigError as e:
