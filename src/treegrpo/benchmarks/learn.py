@@ -283,6 +283,25 @@ def run_bench(
     )  # fmt: skip
 
 
+def restate_at_equal_cost(path: Path) -> dict[str, Any]:
+    """Add ``equal_cost`` (:func:`~treegrpo.benchmarks.equal_cost.analyse`, the nominal trees read
+    off their EM curves at the chain's tokens) to a finished nominal ``bench learn`` result, its rows
+    unchanged; ``equal_cost_restated`` records the commit that did it. Returns the document."""
+    import json
+
+    from treegrpo.benchmarks.equal_cost import analyse
+    from treegrpo.benchmarks.provenance import provenance
+
+    doc = json.loads(Path(path).read_text())
+    if doc.get("bench") != "learn":
+        raise ValueError(f"{path}: not a nominal bench learn result")
+    doc["equal_cost"] = analyse(doc["rows"], doc["expand_modes"], tokens=False)
+    prov = provenance()
+    doc["equal_cost_restated"] = {k: prov.get(k) for k in ("commit", "dirty", "treegrpo")}
+    write_result(Path(path), doc)
+    return doc
+
+
 def bootstrap_record(folder: Path) -> dict[str, Any]:
     """Which bootstrapped starting policy a table's rows used: its folder, config hash, the
     bootstrap recipe's settings and the held-out figures it measured after its warm-up."""
@@ -365,6 +384,7 @@ def run_gigpo_bench(
 
 __all__ = [
     "ABLATION", "ABLATION_BUDGET", "BUDGETS", "EXPAND_MODES", "GIGPO_BUDGETS", "GIGPO_ROW_KEYS", "QUICK_BUDGETS",
-    "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "default_out", "plan_gigpo", "plan_runs",
-    "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval", "train_one", "train_row",
+    "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "bootstrap_record", "default_out",
+    "plan_gigpo", "plan_runs", "restate_at_equal_cost", "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval",
+    "train_one", "train_row",
 ]  # fmt: skip

@@ -66,6 +66,7 @@ RESUME_FREE_FIELDS = frozenset(
         "threads",
         "tensorboard",
         "eval_every",
+        "eval_every_tokens",
         "save_every",
         "dump_rollouts_every",
     }
