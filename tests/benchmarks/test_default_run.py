@@ -200,7 +200,10 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
     limits = {k: head["config"][k] for k in AUTO_LIMITS}
     today = resolve_model_defaults(make_config({}), tiny=True, limits=limits).model_dump()
     as_json = lambda x: json.loads(json.dumps(x))  # noqa: E731  (tuples read back as lists)
-    assert head["config"] == as_json({k: v for k, v in today.items() if k not in dr.PER_RUN})
+    today = as_json({k: v for k, v in today.items() if k not in dr.PER_RUN})
+    # a field added since the spread was run must be off by default (it cannot have changed the run)
+    assert {k: today[k] for k in today.keys() - head["config"].keys()} == dict.fromkeys(today.keys() - head["config"].keys())
+    assert head["config"] == {k: today[k] for k in head["config"]}
     assert head["bootstrap_config"] == as_json(BootstrapConfig.for_preset("default").to_dict())
     ends = head["summary"]["end_sampled"]
     assert ends["min"] >= 0.8 and head["summary"]["end_sampled_range"] <= 0.1

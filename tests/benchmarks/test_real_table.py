@@ -129,3 +129,27 @@ def test_the_committed_table_is_whole_and_consistent(name: str, budgets: set[int
     assert paired(rows) == res["paired"]  # which also checks that each pair saw the same prompts
     c = res["compute_s"]
     assert c["runs"] == round(sum(r["wall_s"] for r in rows), 2) and c["total"] == round(c["start_eval"] + c["runs"], 2)
+
+
+def test_token_matched_table(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """``--matched tokens``: the tree is token-matched, both runs evaluated at token checkpoints,
+    the rows carry the token keys, the pair is compared at equal cost, the start probe is kept."""
+    from treegrpo.benchmarks.real_table import TOKEN_KEYS
+
+    spec = TableSpec(
+        model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=2, prompts_per_step=2, eval_prompts=2,
+        matched="tokens", eval_every_tokens=8, probe_prompts=2, overrides=LIMITS,
+    )  # fmt: skip
+    said: list[str] = []
+    res = run_table(spec, tmp_path / "work", tmp_path / "t.json", said.append)
+    chain, tree = res["rows"]
+    assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS + TOKEN_KEYS for r in res["rows"])
+    assert tree["budget_tokens"] == "chain:2" and chain["budget_tokens"] is None and tree["eval_every_tokens"] == 8
+    assert all(r["em_curve"][-1][0] == r["generated_tokens"] and r["tool_curve"][-1][0] == r["tool_calls"] for r in res["rows"])
+    assert res["equal_cost"]["world 0"]["equal_tokens"]["2"]["random"]["pairs"] == 1
+    probe = res["start_probe"]
+    assert set(probe) >= {"chain 2", "tree (1,2) random tokens=chain 2"} and probe["chain 2"]["prompts"] == 2
+    assert probe["chain 2"]["leaves_per_prompt"] == 2 and 0 <= probe["chain 2"]["informative"] <= 1
+    said.clear()
+    run_table(spec, tmp_path / "work", tmp_path / "t.json", said.append)
+    assert any(x.startswith("start probe: reusing") for x in said)

@@ -107,3 +107,46 @@ def test_config_errors_are_one_line(tmp_path: Path) -> None:
     assert make_config({"sampler": "chain"}).estimator == "grpo"
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_eval_due_at_steps_and_token_checkpoints() -> None:
+    from treegrpo.training.trainer import eval_due
+
+    cfg = make_config({"steps": 10, "eval_every": 4, "eval_every_tokens": 100})
+    assert eval_due(cfg, 4, 10, 20) == eval_due(cfg, 10, 10, 20) == "full"  # every 4 steps, the last step
+    assert eval_due(cfg, 4, 150, 250) == "full"  # a step due both ways: the full evaluation
+    assert eval_due(cfg, 3, 150, 199) is None  # no multiple of 100 passed
+    assert eval_due(cfg, 3, 199, 200) == eval_due(cfg, 3, 150, 420) == "tokens"  # reached / passed (several: one)
+    assert eval_due(make_config({"steps": 10, "eval_every": 0}), 3, 0, 10**6) is None  # off
+
+
+def test_budget_tokens_config() -> None:
+    assert make_config({"budget_tokens": "chain:2"}).budget_tokens == "chain:2"
+    assert make_config({"budget_tokens": 64}).budget_tokens == 64
+    with pytest.raises(ConfigError, match=r"budget_tokens 'chain:x'.*chain:G"):
+        make_config({"budget_tokens": "chain:x"})
+    with pytest.raises(ConfigError, match="budget_tokens needs --sampler tree"):
+        make_config({"budget_tokens": "chain:2", "sampler": "chain"})
+    with pytest.raises(ConfigError, match="N >= 1"):
+        make_config({"budget_tokens": 64, "n": 0})
+
+
+def test_token_matched_run_and_dense_curve(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A token-matched run books what it spends, and its curve has a point per token checkpoint
+    passed (tokens, EM, tool calls), each at the run's totals after that step."""
+    s = train(small_cfg(tmp_path / "run", steps=4, m=1, n=2, budget_tokens="chain:2", eval_every_tokens=200),
+              parts=parts_for(tiny_model_dir))  # fmt: skip
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [0]
+    for r in rows[1:]:
+        tokens.append(tokens[-1] + r["budget/generated_tokens"])
+    due = [i for i in range(1, 5) if tokens[i] // 200 > tokens[i - 1] // 200 or i == 4]
+    assert 1 < len(due) < 4, tokens  # some steps pass a checkpoint, some do not
+    assert [p[0] for p in s.em_curve] == [0] + [tokens[i] for i in due]
+    assert [p[2] for p in s.em_curve][-1] == s.tool_calls and all(len(p) == 3 for p in s.em_curve)
+    assert all("eval/success_sampled" in rows[i] for i in due)
+    # a token checkpoint alone is evaluated sampled only; the last step greedy too
+    assert ["eval/success_greedy" in rows[i] for i in due] == [i == 4 for i in due]
+    assert s.generated_tokens == tokens[-1]
+    forest = json.loads((tmp_path / "run" / "rollouts" / "step_00004.jsonl").read_text().splitlines()[0])
+    assert forest["token_limit"] > 0

@@ -153,14 +153,16 @@ def bench_learn_cmd(
     lr: float | None = typer.Option(None, help="Override the regime's learning rate."),
     prompts_per_step: int | None = typer.Option(None, help="Override the regime's prompts per step."),
     eval_every: int | None = typer.Option(None, help="Override the regime's steps between evaluations."),
-    expand_modes: str = typer.Option("random,nonroot,entropy", help="Comma-separated tree pick modes to train."),
+    expand_modes: str = typer.Option("", help="Comma-separated tree pick modes to train (default: random,nonroot,entropy; --matched tokens: random,nonroot)."),
     budgets: str = typer.Option("", help="Comma-separated budgets out of 2,4,8,16 (default: all, or 2,4 with --quick)."),
+    matched: str = typer.Option("nominal", help="nominal: trees at the paper's (M,N,L) | tokens: token-matched trees (budget_tokens chain:B) against chain B, compared at equal generated tokens and tool calls, every run evaluated at token checkpoints (default --out: benchmarks/results/learn_tokens_<regime>.json)."),
     resume: bool = typer.Option(False, "--resume", help="Keep the finished runs of --out (same regime and starting policy)."),
 ) -> None:
     """Chain GRPO at budgets 2/4/8/16 vs Tree-GRPO at the paper's matched (M,N,L) with random and
     guided picks, plus the intra/inter advantage ablation, trained from one starting policy:
     held-out EM (sampled and greedy) per seed, EM vs budget and vs generated tokens. --gigpo: the
-    GiGPO table (chain GiGPO and Tree-GRPO + GiGPO's step term beside them), --task search | sql."""
+    GiGPO table (chain GiGPO and Tree-GRPO + GiGPO's step term beside them), --task search | sql.
+    --matched tokens: the same budgets at equal generated tokens (token-matched trees)."""
     from treegrpo.benchmarks.learn import BUDGETS, EXPAND_MODES, REGIMES, run_bench
 
     try:
@@ -189,7 +191,11 @@ def bench_learn_cmd(
         problems.append("--task sql needs --gigpo (the chain vs tree table on SQL is `treegrpo bench stateful`)")
     if eval_prompts is not None and (eval_prompts < 1 or not gigpo):
         problems.append("--eval-prompts needs --gigpo and must be >= 1")
-    if gigpo and (quick or worlds or tuple(modes) != EXPAND_MODES):
+    if matched not in ("nominal", "tokens"):
+        problems.append(f"--matched {matched!r}: choose nominal or tokens")
+    elif matched == "tokens" and gigpo:
+        problems.append("--matched tokens is the chain vs tree table: drop --gigpo")
+    if gigpo and (quick or worlds or (modes and tuple(modes) != EXPAND_MODES)):
         problems.append("--gigpo runs budgets 2,4 (or --budgets) with random picks on the regime's world: drop --quick, --world-seed and --expand-modes")
     if problems:
         _fail("error: " + "; ".join(problems))
@@ -201,10 +207,11 @@ def bench_learn_cmd(
             eval_every=eval_every, eval_prompts=eval_prompts, budgets=budget_list or None, resume=resume,
         )  # fmt: skip
         return
+    default = Path(f"benchmarks/results/learn_tokens_{regime}.json" if matched == "tokens" else "benchmarks/results/learn.json")
     run_bench(
-        out or Path("benchmarks/results/learn.json"), regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
-        lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or EXPAND_MODES,
-        budgets=budget_list or None, resume=resume,
+        out or default, regime=regime, quick=quick, world_seeds=worlds or None, seeds=seeds, jobs=jobs, steps=steps,
+        lr=lr, prompts_per_step=prompts_per_step, eval_every=eval_every, expand_modes=modes or None,
+        budgets=budget_list or None, resume=resume, matched=matched,
     )
 
 
@@ -278,6 +285,9 @@ def bench_real_cmd(
     budgets: str = typer.Option("2,4", help="--table: chain budgets, each paired with the paper's tree (2: (1,2,1), 4: (2,2,1), 8: (2,6,1), 16: (4,5,1))."),
     seeds: str = typer.Option("0,1", help="--table: seeds; one chain/tree pair per budget and seed."),
     eval_every: int = typer.Option(0, help="--table: steps between held-out evaluations inside a run (the EM curve); 0 = the end only."),
+    matched: str = typer.Option("nominal", help="--table: nominal (the paper's tree shapes) | tokens (the tree token-matched to its chain: budget_tokens chain:B; compared at equal generated tokens and tool calls)."),
+    eval_every_tokens: int = typer.Option(0, help="--table: also evaluate every this many generated tokens (sampled only; the EM-per-token curve)."),
+    probe_prompts: int = typer.Option(0, help="--table --matched tokens: before the runs, the fraction of informative groups (leaves that disagree) at the start on this many training prompts, per sampler."),
     data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
     corpus: str = typer.Option("wiki-vital", help="Retriever corpus (BM25, in process)."),
     demos: int = typer.Option(96, help="Warm-up demonstrations."),
@@ -318,7 +328,7 @@ def bench_real_cmd(
             from treegrpo.benchmarks.real import table_bench
 
             table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
-                        _ints(seeds, "--seeds"), eval_every, _log)  # fmt: skip
+                        _ints(seeds, "--seeds"), eval_every, _log, matched, eval_every_tokens, probe_prompts)  # fmt: skip
             return
         run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=_log)
     except ConfigError as e:

@@ -35,10 +35,13 @@ from treegrpo.benchmarks.learn_spec import (
     ROW_KEYS,
     SQL_REGIME,
     TASKS,
+    TOKEN_EXPAND_MODES,
+    TOKEN_ROW_KEYS,
     Regime,
     RunSpec,
     plan_gigpo,
     plan_runs,
+    plan_token_runs,
     spec_of,
 )
 from treegrpo.benchmarks.runner import make_console, option_flags, resume_rows, run_jobs, write_result
@@ -86,17 +89,19 @@ def start_eval(task: str, regime: Regime, model_dir: Path, world_seed: int) -> d
 
 
 def train_row(spec: RunSpec, s: Any) -> dict[str, Any]:
-    """A finished run's figures (``s``: the trainer's summary), in :data:`ROW_KEYS` order, and
-    ``em_greedy_start`` after them."""
+    """A finished run's figures (``s``: the trainer's summary), in :data:`ROW_KEYS` order, then
+    those of :data:`TOKEN_ROW_KEYS` (``tool_curve``: the same evaluations against tool calls)."""
     start, end = s.eval_start, s.eval_end
     return {
         "mode": spec.mode, "budget": spec.budget, "M": spec.m, "N": spec.n, "L": spec.l,
         "expand_mode": spec.expand_mode, "advantage": spec.advantage, "seed": spec.seed, "world_seed": spec.world_seed,
         "em_start": start["eval/success_sampled"], "em_end": end["eval/success_sampled"],
-        "em_greedy_end": end["eval/success_greedy"], "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
+        "em_greedy_end": end["eval/success_greedy"], "em_curve": [[int(p[0]), float(p[1])] for p in s.em_curve],
         "generated_tokens": s.generated_tokens, "tool_calls": s.tool_calls, "trajectories": s.trajectories,
         "tool_calls_per_traj_start": start["eval/tool_calls_sampled"],
         "tool_calls_per_traj_end": end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
+        "budget_tokens": spec.budget_tokens, "eval_every_tokens": spec.eval_every_tokens,
+        "tool_curve": [[int(p[2]), float(p[1])] for p in s.em_curve if len(p) > 2],
         "em_greedy_start": start["eval/success_greedy"],
     }  # fmt: skip
 
@@ -134,7 +139,8 @@ def run_one(
 ) -> dict[str, Any]:
     """Train one configuration; its row (:data:`ROW_KEYS`; with ``gigpo`` :data:`GIGPO_ROW_KEYS`)."""
     _, row = train_one(spec, task, regime, model_dir, eval_start, gigpo)
-    return {k: row[k] for k in (GIGPO_ROW_KEYS if gigpo else ROW_KEYS)}
+    keys = GIGPO_ROW_KEYS if gigpo else TOKEN_ROW_KEYS if spec.budget_tokens or spec.eval_every_tokens else ROW_KEYS
+    return {k: row[k] for k in keys}
 
 
 def _tuned(reg: Regime, changes: dict[str, Any]) -> Regime:
@@ -151,7 +157,11 @@ def _run_table(
     """Run the specs not yet in ``rows`` (``run_one(*job(spec))``, ``jobs`` in parallel), writing
     the document after every finished run and once complete (JSON and plot). ``wall0``: the
     ``perf_counter`` the bench's wall time counts from, less the seconds of the kept rows."""
+    from treegrpo.benchmarks import learn_tokens
     from treegrpo.benchmarks.learn_plots import plot, plot_gigpo, print_gigpo_table, print_table
+
+    draw, show = {"learn_gigpo": (plot_gigpo, print_gigpo_table), "learn_tokens": (learn_tokens.plot, learn_tokens.print_table)}.get(
+        bench, (plot, print_table))  # fmt: skip
 
     done = {spec_of(r).key for r in rows}
     todo = [s for s in specs if s.key not in done]
@@ -187,10 +197,9 @@ def _run_table(
         if bar is not None:
             bar.stop()
     result = result_of(True)
-    gigpo = bench == "learn_gigpo"
-    write_result(out, result, plot_gigpo if gigpo else plot)
-    (print_gigpo_table if gigpo else print_table)(result, console)
-    name = "bench learn --gigpo" if gigpo else "bench learn"
+    write_result(out, result, draw)
+    show(result, console)
+    name = {"learn_gigpo": "bench learn --gigpo", "learn_tokens": "bench learn --matched tokens"}.get(bench, "bench learn")
     console.print(f"[bold]{name}[/]: wrote {out} and {out.with_suffix('.png')} in {result['wall_s']:.0f}s")
     return result
 
@@ -198,10 +207,13 @@ def _run_table(
 def run_bench(
     out: Path, regime: str = "default", quick: bool = False, world_seeds: Sequence[int] | None = None, seeds: int = 3,
     jobs: int = 2, steps: int | None = None, lr: float | None = None, prompts_per_step: int | None = None,
-    eval_every: int | None = None, expand_modes: Sequence[str] = EXPAND_MODES, budgets: Sequence[int] | None = None,
-    resume: bool = False, console: Any = None,
+    eval_every: int | None = None, expand_modes: Sequence[str] | None = None, budgets: Sequence[int] | None = None,
+    resume: bool = False, console: Any = None, matched: str = "nominal",
 ) -> dict[str, Any]:  # fmt: skip
-    """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``."""
+    """The whole benchmark (module docstring); writes ``out`` (JSON) and ``out`` with ``.png``.
+    ``matched``: ``nominal`` (the trees at the paper's shapes) or ``tokens`` (the token-matched
+    trees, :func:`~treegrpo.benchmarks.learn_spec.plan_token_runs`, analysed at equal cost)."""
+    from treegrpo.benchmarks.equal_cost import analyse
     from treegrpo.benchmarks.learn_report import summarize, targets
     from treegrpo.benchmarks.provenance import provenance
     from treegrpo.models.loader import tiny_info
@@ -213,12 +225,18 @@ def run_bench(
         raise ValueError(f"unknown regime {regime!r}; choose one of {sorted(REGIMES)}")
     changes = {"steps": steps, "lr": lr, "prompts_per_step": prompts_per_step, "eval_every": eval_every}
     reg = _tuned(REGIMES[regime], changes)
+    if matched not in ("nominal", "tokens"):
+        raise ValueError(f"unknown matching {matched!r}; choose nominal or tokens")
+    tokens = matched == "tokens"
+    default_modes = TOKEN_EXPAND_MODES if tokens else EXPAND_MODES
+    expand_modes = tuple(expand_modes) if expand_modes else default_modes
     for mode in expand_modes:
         if mode not in EXPAND_MODES:
             raise ValueError(f"unknown expand mode {mode!r}; choose from {list(EXPAND_MODES)}")
     worlds = list(world_seeds) if world_seeds else [get_preset(reg.preset).seed]
     budgets = tuple(budgets) if budgets else QUICK_BUDGETS if quick else BUDGETS
-    specs = plan_runs(budgets, list(range(seeds)), worlds, expand_modes)
+    plan = plan_token_runs if tokens else plan_runs
+    specs = plan(budgets, list(range(seeds)), worlds, expand_modes)
     t0 = time.perf_counter()
     models: dict[int, Path] = {}
     starts: dict[int, dict[str, float]] = {}
@@ -232,14 +250,16 @@ def run_bench(
         )
     meta = {
         "regime": dataclasses.asdict(reg),
-        "models": {str(w): {"folder": str(p), "config_hash": tiny_info(p).get("config_hash")} for w, p in models.items()},
+        "models": {str(w): bootstrap_record(p) if tokens else {"folder": str(p), "config_hash": tiny_info(p).get("config_hash")}
+                   for w, p in models.items()},
+        **({"matched": "tokens", "eval_every_tokens_per_budget": specs[0].eval_every_tokens // specs[0].budget} if tokens else {}),
     }
     prov = provenance(model_dir={str(w): p for w, p in models.items()}, threads=1)  # every row trains on one thread
     rows, prior = resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print) if resume else ([], 0.0)
     command = (
-        f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''} --world-seed {','.join(map(str, worlds))} "
-        f"--seeds {seeds} --jobs {jobs}" + option_flags(changes)
-        + (f" --expand-modes {','.join(expand_modes)}" if tuple(expand_modes) != EXPAND_MODES else "")
+        f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''}{' --matched tokens' if tokens else ''} "
+        f"--world-seed {','.join(map(str, worlds))} --seeds {seeds} --jobs {jobs}" + option_flags(changes)
+        + (f" --expand-modes {','.join(expand_modes)}" if tuple(expand_modes) != default_modes else "")
         + (f" --budgets {','.join(map(str, budgets))}" if budgets not in (QUICK_BUDGETS, BUDGETS) else "")
         + f" --out {out}"
     )  # fmt: skip
@@ -252,11 +272,45 @@ def run_bench(
         return (f"  {spec.key:48s} EM {row['em_start']:.3f} → {row['em_end']:.3f} (greedy {row['em_greedy_end']:.3f}) · "
                 f"gen tok {row['generated_tokens']} · tools/traj {row['tool_calls_per_traj_end']:.2f} · {row['wall_s']:.0f}s")  # fmt: skip
 
+    def analysis(o: list[dict[str, Any]]) -> dict[str, Any]:
+        if tokens:
+            return {"summary": summarize(o) if o else {}, "equal_cost": analyse(o, expand_modes) if o else {}}
+        return {"summary": summarize(o) if o else {}, "targets": targets(o) if o else {},
+                "equal_cost": analyse(o, expand_modes, tokens=False) if o else {}}  # fmt: skip
+
     return _run_table(
-        Path(out), "learn", title, specs, rows, t0 - prior, head,
-        lambda o: {"summary": summarize(o) if o else {}, "targets": targets(o) if o else {}},
+        Path(out), "learn_tokens" if tokens else "learn", title, specs, rows, t0 - prior, head, analysis,
         lambda s: (s, reg, models[s.world_seed], starts[s.world_seed]), line, command, jobs, prov, console, True,
     )  # fmt: skip
+
+
+def restate_at_equal_cost(path: Path) -> dict[str, Any]:
+    """Add ``equal_cost`` (:func:`~treegrpo.benchmarks.equal_cost.analyse`, the nominal trees read
+    off their EM curves at the chain's tokens) to a finished nominal ``bench learn`` result, its rows
+    unchanged; ``equal_cost_restated`` records the commit that did it. Returns the document."""
+    import json
+
+    from treegrpo.benchmarks.equal_cost import analyse
+    from treegrpo.benchmarks.provenance import provenance
+
+    doc = json.loads(Path(path).read_text())
+    if doc.get("bench") != "learn":
+        raise ValueError(f"{path}: not a nominal bench learn result")
+    doc["equal_cost"] = analyse(doc["rows"], doc["expand_modes"], tokens=False)
+    prov = provenance()
+    doc["equal_cost_restated"] = {k: prov.get(k) for k in ("commit", "dirty", "treegrpo")}
+    write_result(Path(path), doc)
+    return doc
+
+
+def bootstrap_record(folder: Path) -> dict[str, Any]:
+    """Which bootstrapped starting policy a table's rows used: its folder, config hash, the
+    bootstrap recipe's settings and the held-out figures it measured after its warm-up."""
+    from treegrpo.models.loader import tiny_info
+
+    info = tiny_info(folder)
+    return {"folder": str(folder), "config_hash": info.get("config_hash"), "code_fingerprint": info.get("code_fingerprint"),
+            "bootstrap": info.get("config"), "demos": info.get("demos"), "warmup_eval": info.get("warmup_eval")}  # fmt: skip
 
 
 def default_out(task: str) -> Path:
@@ -331,6 +385,7 @@ def run_gigpo_bench(
 
 __all__ = [
     "ABLATION", "ABLATION_BUDGET", "BUDGETS", "EXPAND_MODES", "GIGPO_BUDGETS", "GIGPO_ROW_KEYS", "QUICK_BUDGETS",
-    "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "default_out", "plan_gigpo", "plan_runs",
-    "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval", "train_one", "train_row",
+    "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "bootstrap_record", "default_out",
+    "plan_gigpo", "plan_runs", "restate_at_equal_cost", "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval",
+    "train_one", "train_row",
 ]  # fmt: skip

@@ -17,6 +17,10 @@ ROW_KEYS: tuple[str, ...] = (
     "em_greedy_end", "em_curve", "generated_tokens", "tool_calls", "trajectories", "tool_calls_per_traj_start",
     "tool_calls_per_traj_end", "wall_s",
 )  # fmt: skip
+#: The keys of a ``bench learn --matched tokens`` result row: :data:`ROW_KEYS`, the token budget of a
+#: token-matched tree (``None`` for a chain), the token spacing of its evaluations and its EM curve
+#: over tool calls (``[tool calls, EM]`` at the same evaluations as ``em_curve``).
+TOKEN_ROW_KEYS: tuple[str, ...] = (*ROW_KEYS, "budget_tokens", "eval_every_tokens", "tool_curve", "em_greedy_start")
 #: The keys of a ``bench learn --gigpo`` result row: :data:`ROW_KEYS` and GiGPO's anchor diagnostic.
 GIGPO_ROW_KEYS: tuple[str, ...] = (
     *ROW_KEYS, "task", "em_greedy_start", "anchor_steps", "anchor_shared_frac", "anchor_deep_shared_frac",
@@ -29,17 +33,28 @@ GIGPO_BUDGETS: tuple[int, ...] = (2, 4)
 EXPAND_MODES: tuple[str, ...] = ("random", "nonroot", "entropy")
 ABLATION_BUDGET = 4
 ABLATION: tuple[str, ...] = ("intra_only", "inter_only")
+#: ``--matched tokens``: the pick rules compared, and the evaluation spacing — every this many
+#: generated tokens per unit of budget (chain 2: every 2,000 tokens, chain 16: every 16,000), so
+#: every run of the table has five or six points on its EM-per-token curve at about the same
+#: tokens as its pair's (a held-out evaluation of 400 questions costs more than a chain-2 run's
+#: whole training: denser points would multiply the table's time).
+TOKEN_EXPAND_MODES: tuple[str, ...] = ("random", "nonroot")
+TOKEN_EVAL_PER_BUDGET = 1000
 TASKS: tuple[str, ...] = ("search", "sql")
 
 
 @dataclass(frozen=True)
 class RunSpec(Shape):
     """One training run of the table: a :class:`~treegrpo.benchmarks.runner.Shape` trained with
-    ``advantage`` from ``seed`` in world ``world_seed``."""
+    ``advantage`` from ``seed`` in world ``world_seed``; ``budget_tokens`` (``chain:B``) makes the
+    tree token-matched (its ``l`` unused), ``eval_every_tokens`` evaluates at token checkpoints
+    (instead of the regime's ``eval_every`` steps)."""
 
     advantage: str
     seed: int
     world_seed: int
+    budget_tokens: str | None = None
+    eval_every_tokens: int = 0
 
     @property
     def label(self) -> str:
@@ -47,6 +62,9 @@ class RunSpec(Shape):
         ``… intra_only``."""
         if self.mode == "chain":
             return f"chain {self.budget}" if self.advantage == "grpo" else f"chain {self.budget} {self.advantage}"
+        if self.budget_tokens is not None:
+            s = f"tree ({self.m},{self.n}) {self.expand_mode} tokens=chain {self.budget}"
+            return s if self.advantage == "tree_grpo" else f"{s} {self.advantage}"
         s = f"tree ({self.m},{self.n},{self.l}) {self.expand_mode}"
         return s if self.advantage == "tree_grpo" else f"{s} {self.advantage}"
 
@@ -56,21 +74,24 @@ class RunSpec(Shape):
 
     def overrides(self) -> dict[str, Any]:
         """The :class:`~treegrpo.training.config.TrainConfig` fields of this run."""
+        dense = {"eval_every_tokens": self.eval_every_tokens, "eval_every": 0} if self.eval_every_tokens else {}
         if self.mode == "chain":
-            return {"sampler": "chain", "group_size": self.budget, "advantage": self.advantage, "seed": self.seed}
+            return {"sampler": "chain", "group_size": self.budget, "advantage": self.advantage, "seed": self.seed, **dense}
+        matched = {} if self.budget_tokens is None else {"budget_tokens": self.budget_tokens}
         return {"sampler": "tree", "m": self.m, "n": self.n, "l": self.l, "expand_mode": self.expand_mode,
-                "advantage": self.advantage, "seed": self.seed}  # fmt: skip
+                "advantage": self.advantage, "seed": self.seed, **matched, **dense}  # fmt: skip
 
 
 def spec_of(row: dict[str, Any]) -> RunSpec:
     """The run a result row describes."""
     keys = ("mode", "budget", "M", "N", "L", "expand_mode", "advantage", "seed", "world_seed")
-    return RunSpec(*(row[k] for k in keys))
+    return RunSpec(*(row[k] for k in keys), row.get("budget_tokens"), row.get("eval_every_tokens", 0))
 
 
-def tree_label(budget: int, mode: str, advantage: str = "tree_grpo") -> str:
-    """The label of Tree-GRPO at ``budget``'s paper shape with pick ``mode`` and ``advantage``."""
-    return RunSpec("tree", budget, *PAPER_PAIRS[budget], mode, advantage, 0, 0).label
+def tree_label(budget: int, mode: str, advantage: str = "tree_grpo", tokens: bool = False) -> str:
+    """The label of Tree-GRPO at ``budget``'s paper shape with pick ``mode`` and ``advantage``
+    (``tokens``: the token-matched tree at chain ``budget``'s tokens)."""
+    return RunSpec("tree", budget, *PAPER_PAIRS[budget], mode, advantage, 0, 0, f"chain:{budget}" if tokens else None).label
 
 
 def _shape(budget: int) -> tuple[int, int, int]:
@@ -95,6 +116,29 @@ def plan_runs(
         if ablation and b == ABLATION_BUDGET:
             configs += [("tree", b, m, n, l, "random", adv) for adv in ABLATION]
     return [RunSpec(*c, seed=s, world_seed=w) for w in world_seeds for c in configs for s in seeds]  # type: ignore[arg-type]
+
+
+def plan_token_runs(
+    budgets: Sequence[int],
+    seeds: Sequence[int],
+    world_seeds: Sequence[int],
+    expand_modes: Sequence[str] = TOKEN_EXPAND_MODES,
+    ablation: bool = True,
+) -> list[RunSpec]:
+    """Every run of the ``bench learn --matched tokens`` table: per budget ``B``, chain ``B`` and the
+    token-matched tree at chain ``B``'s tokens (``budget_tokens: chain:B``, M and N of ``B``'s paper
+    shape) for each pick rule, at :data:`ABLATION_BUDGET` also the token-matched random tree with
+    each :data:`ABLATION` estimator; every run evaluated every ``TOKEN_EVAL_PER_BUDGET · B`` tokens.
+    Seeds innermost."""
+    configs: list[tuple[Any, ...]] = []
+    for b in budgets:
+        m, n, l = _shape(b)
+        dense = TOKEN_EVAL_PER_BUDGET * b
+        configs.append(("chain", b, b, 0, 0, None, "grpo", None, dense))
+        configs += [("tree", b, m, n, l, mode, "tree_grpo", f"chain:{b}", dense) for mode in expand_modes]
+        if ablation and b == ABLATION_BUDGET:
+            configs += [("tree", b, m, n, l, "random", adv, f"chain:{b}", dense) for adv in ABLATION]
+    return [RunSpec(*c[:7], s, w, *c[7:]) for w in world_seeds for c in configs for s in seeds]  # type: ignore[arg-type]
 
 
 def plan_gigpo(budgets: Sequence[int], seeds: Sequence[int], world_seed: int) -> list[RunSpec]:
@@ -155,6 +199,6 @@ SQL_REGIME = Regime("sql", "", 10, 8, 5e-4, 5, 100,
 
 __all__ = [
     "ABLATION", "ABLATION_BUDGET", "BUDGETS", "EXPAND_MODES", "GIGPO_BUDGETS", "GIGPO_ROW_KEYS", "QUICK_BUDGETS",
-    "REGIMES", "ROW_KEYS", "SQL_REGIME", "TASKS", "Regime", "RunSpec", "plan_gigpo", "plan_runs", "spec_of",
-    "tree_label",
+    "REGIMES", "ROW_KEYS", "SQL_REGIME", "TASKS", "TOKEN_EVAL_PER_BUDGET", "TOKEN_EXPAND_MODES", "TOKEN_ROW_KEYS",
+    "Regime", "RunSpec", "plan_gigpo", "plan_runs", "plan_token_runs", "spec_of", "tree_label",
 ]  # fmt: skip

@@ -7,6 +7,13 @@ Resumable: each run lives in ``work/runs/<label>-s<seed>-<digest of its settings
 every step; a finished run is reused only when its settings match. The rows are
 :data:`~treegrpo.benchmarks.learn_spec.ROW_KEYS` plus :data:`EXTRA_KEYS`; ``paired`` holds
 tree − chain per budget and seed.
+
+``--matched tokens``: the tree is token-matched to its chain (``budget_tokens: chain:B``, the
+paper shape's M and N), every run is evaluated every ``--eval-every-tokens`` generated tokens
+(sampled only between the start and the end), the rows add :data:`TOKEN_KEYS`, ``equal_cost``
+compares the pairs at equal generated tokens and tool calls (:mod:`.equal_cost`), and
+``start_probe`` measures, before any run, how many of the first steps' groups are informative
+(leaves that disagree) under each sampler from the starting folder (:func:`start_probe`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.equal_cost import analyse
 from treegrpo.benchmarks.learn_spec import RunSpec
 from treegrpo.benchmarks.provenance import provenance
 from treegrpo.benchmarks.runner import (
@@ -38,6 +46,8 @@ FORMAT = "treegrpo.bench.real_table/v1"
 EXTRA_KEYS: tuple[str, ...] = (
     "em_greedy_start", "eval_prompts", "prompt_ids", "informative_groups", "prefill_tokens", "rollout_s", "update_s", "run_dir",
 )  # fmt: skip
+#: Row keys of a token-matched table beyond :data:`EXTRA_KEYS`.
+TOKEN_KEYS: tuple[str, ...] = ("budget_tokens", "eval_every_tokens", "tool_curve")
 #: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
 PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
 
@@ -54,6 +64,9 @@ class TableSpec:
         steps / prompts_per_step / lr: each run (AdamW, constant lr).
         eval_prompts: held-out questions, greedy and sampled, at the start and end of every run.
         eval_every: steps between evaluations inside a run (the EM curve); 0 = the end only.
+        matched: ``nominal`` (the paper's shapes) or ``tokens`` (the tree token-matched to its chain).
+        eval_every_tokens: evaluations every this many generated tokens (sampled only; 0 = off).
+        probe_prompts: ``tokens``: training prompts of the start probe (:func:`start_probe`; 0 = none).
         overrides: further :class:`~treegrpo.training.config.TrainConfig` fields of every run
             (``--set key=value``: LoRA, packing, threads, agent limits, engine), the same for both samplers.
     """
@@ -68,6 +81,9 @@ class TableSpec:
     lr: float = 1e-5
     eval_prompts: int = 128
     eval_every: int = 0
+    matched: str = "nominal"
+    eval_every_tokens: int = 0
+    probe_prompts: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,15 +91,19 @@ class TableSpec:
             raise ConfigError(f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}")
         if not self.seeds or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1 or self.eval_every < 0:
             raise ConfigError("the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)")
+        if self.matched not in ("nominal", "tokens") or min(self.eval_every_tokens, self.probe_prompts) < 0:
+            raise ConfigError(f"--matched {self.matched!r}: choose nominal or tokens (and --eval-every-tokens, --probe-prompts ≥ 0)")
 
     def runs(self) -> list[RunSpec]:
         """Chain then tree for every budget and seed (the pairs next to each other)."""
         out = []
+        dense = self.eval_every_tokens
         for b in self.budgets:
             m, n, l = PAPER_PAIRS[b]
+            matched = f"chain:{b}" if self.matched == "tokens" else None
             for s in self.seeds:
-                out.append(RunSpec("chain", b, b, 0, 0, None, "grpo", s, 0))
-                out.append(RunSpec("tree", b, m, n, l, "random", "tree_grpo", s, 0))
+                out.append(RunSpec("chain", b, b, 0, 0, None, "grpo", s, 0, None, dense))
+                out.append(RunSpec("tree", b, m, n, l, "random", "tree_grpo", s, 0, matched, dense))
         return out
 
     def config(self, run: RunSpec, out_dir: str) -> dict[str, Any]:
@@ -172,7 +192,7 @@ def run_one(
         "mode": run.mode, "budget": run.budget, "M": run.m, "N": run.n, "L": run.l, "expand_mode": run.expand_mode,
         "advantage": run.advantage, "seed": run.seed, "world_seed": run.world_seed,
         "em_start": s.eval_start["eval/success_sampled"], "em_end": s.eval_end["eval/success_sampled"],
-        "em_greedy_end": s.eval_end["eval/success_greedy"], "em_curve": [[int(t), float(e)] for t, e in s.em_curve],
+        "em_greedy_end": s.eval_end["eval/success_greedy"], "em_curve": [[int(p[0]), float(p[1])] for p in s.em_curve],
         "generated_tokens": s.generated_tokens, "tool_calls": s.tool_calls, "trajectories": s.trajectories,
         "tool_calls_per_traj_start": s.eval_start["eval/tool_calls_sampled"],
         "tool_calls_per_traj_end": s.eval_end["eval/tool_calls_sampled"], "wall_s": round(s.wall_s, 2),
@@ -180,7 +200,59 @@ def run_one(
         "prompt_ids": prompt_ids, "informative_groups": informative, "prefill_tokens": s.prefill_tokens, "rollout_s": round(s.rollout_s, 2),
         "update_s": round(s.update_s, 2), "run_dir": str(run_dir),
     }  # fmt: skip
+    if spec.matched == "tokens":
+        row.update(budget_tokens=run.budget_tokens, eval_every_tokens=run.eval_every_tokens,
+                   tool_curve=[[int(p[2]), float(p[1])] for p in s.em_curve if len(p) > 2])  # fmt: skip
     return row
+
+
+def start_probe(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
+    """How many groups are informative (their leaves' rewards differ: the only groups with an
+    advantage) at the start, under each sampler of the smallest budget: ``probe_prompts`` training
+    prompts, in the order seed ``spec.seeds[0]``'s runs draw them, rolled out from the starting
+    folder without an update. Computed once and kept in ``work``."""
+    import random
+
+    import torch
+
+    from treegrpo.rollout.agent import StepRunner
+    from treegrpo.rollout.engine import make_engine
+    from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+    from treegrpo.training.checkpoint import RunState
+    from treegrpo.training.config import TrainConfig
+    from treegrpo.training.setup import build_run
+
+    runs = [r for r in spec.runs() if r.budget == min(spec.budgets) and r.seed == spec.seeds[0]]
+    keep = {"model": spec.model, "data": spec.data, "corpus": spec.corpus, "prompts": spec.probe_prompts,
+            "runs": [r.overrides() for r in runs], **spec.overrides}  # fmt: skip
+    path = work / f"probe-{digest(keep, length=10)}.json"
+    if path.is_file():
+        log(f"start probe: reusing {path}")
+        return json.loads(path.read_text())
+    t0 = time.perf_counter()
+    cfg = TrainConfig(**spec.config(runs[0], str(work / "unused")))
+    out: dict[str, Any] = {"settings": keep}
+    with torch_threads(cfg.threads):
+        parts = build_run(cfg)
+        engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
+        runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
+        tasks = RunState.fresh(spec.seeds[0]).draw_prompts(parts.train_tasks, spec.probe_prompts)
+        for run in runs:
+            o = run.overrides()
+            scfg = SamplerConfig(o["sampler"], o.get("group_size", 4), o.get("m", 2), o.get("n", 2), o.get("l", 1),
+                                 o.get("expand_mode", "random"), budget_tokens=o.get("budget_tokens"))  # fmt: skip
+            log(f"start probe: {run.label} on {len(tasks)} training prompts")
+            res = get_sampler(scfg.name)(runner, tasks, scfg, random.Random(0), torch.Generator().manual_seed(0))
+            rewards = [[leaf.reward for _, leaf in f.leaves()] for f in res.forests]
+            out[run.label] = {
+                "prompts": len(tasks), "informative": sum(len(set(r)) > 1 for r in rewards) / len(rewards),
+                "success": sum(sum(float(x or 0) for x in r) for r in rewards) / sum(len(r) for r in rewards),
+                "leaves_per_prompt": sum(len(r) for r in rewards) / len(rewards),
+                "generated_tokens_per_prompt": res.total().generated_tokens / len(tasks),
+            }  # fmt: skip
+    out["wall_s"] = time.perf_counter() - t0
+    atomic_write_json(path, out)
+    return out
 
 
 def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,6 +291,7 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     start = start_eval(spec, work, log)
+    probe = start_probe(spec, work, log) if spec.matched == "tokens" and spec.probe_prompts else None
     task_ids = train_prompt_ids(spec)
     rows = [run_one(spec, r, work, start["eval"], task_ids, log) for r in spec.runs()]
     runs_s = sum(r["wall_s"] for r in rows)
@@ -230,11 +303,14 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "eval_ids": start["eval_ids"],
         "rows": rows,
         "paired": paired(rows),
+        **({"start_probe": probe} if probe else {}),
+        **({"equal_cost": analyse(rows, ["random"])} if spec.matched == "tokens" else {}),
         "paper": PAPER,
         "compute_s": {  # what the table cost, over every session that built it
             "start_eval": round(start["wall_s"], 2),
+            "start_probe": round(probe["wall_s"], 2) if probe else 0.0,
             "runs": round(runs_s, 2),
-            "total": round(start["wall_s"] + runs_s, 2),
+            "total": round(start["wall_s"] + (probe["wall_s"] if probe else 0.0) + runs_s, 2),
         },
         "wall_s": time.perf_counter() - t0,  # this invocation's (reused runs cost nothing)
     }
@@ -250,7 +326,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
         xs, ys = zip(*r["em_curve"], strict=True) if r["em_curve"] else ((), ())
         color = "C0" if r["mode"] == "chain" else "C1"
         ls = "-" if r["budget"] == min(x["budget"] for x in results["rows"]) else "--"
-        name = f"chain {r['budget']}" if r["mode"] == "chain" else f"tree ({r['M']},{r['N']},{r['L']})"
+        name = f"chain {r['budget']}" if r["mode"] == "chain" else RunSpec("tree", r["budget"], r["M"], r["N"], r["L"], "random",
+                                                                           "tree_grpo", 0, 0, r.get("budget_tokens")).label
         label = name if r["seed"] == results["rows"][0]["seed"] else None
         ax.plot([x / 1000 for x in xs], ys, marker="o", color=color, ls=ls, label=label)
     ax.set_xlabel("generated tokens (thousands)")

@@ -45,12 +45,19 @@ def _learn_gigpo(doc: dict[str, Any], png: Path) -> None:
     plot_gigpo(doc, png)
 
 
+def _learn_tokens(doc: dict[str, Any], png: Path) -> None:
+    from treegrpo.benchmarks.learn_tokens import plot
+
+    plot(doc, png)
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "budget": _budget,
     "packing": _packing,
     "eptree": _eptree,
     "learn": _learn,
     "learn_gigpo": _learn_gigpo,
+    "learn_tokens": _learn_tokens,
 }
 
 

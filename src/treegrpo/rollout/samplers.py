@@ -1,18 +1,39 @@
-"""The sampler registry: ``chain`` and ``tree`` (:mod:`treegrpo.rollout.trees`), ``eptree``
+"""The sampler registry: ``chain`` and ``tree`` (:mod:`treegrpo.rollout.trees`; ``tree`` with a
+``budget_tokens`` is the token-matched tree of :mod:`treegrpo.rollout.token_budget`), ``eptree``
 (:mod:`treegrpo.rollout.eptree`), and any a user registers with :func:`register_sampler`.
 The trainer looks samplers up here by name, never by import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 
+import torch
+
+from treegrpo.envs.base import Task
 from treegrpo.registry import lookup
+from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.eptree import sample_eptree
 from treegrpo.rollout.sampling import ExpandMode, Sampler, SamplerConfig
+from treegrpo.rollout.token_budget import sample_token_matched
 from treegrpo.rollout.trees import pick_nodes, sample_chains, sample_trees
 
-SAMPLERS: dict[str, Sampler] = {"chain": sample_chains, "tree": sample_trees, "eptree": sample_eptree}
+
+def sample_tree(
+    runner: StepRunner,
+    tasks: Sequence[Task],
+    cfg: SamplerConfig,
+    rng: random.Random,
+    generator: torch.Generator | None = None,
+) -> RolloutResult:
+    """The ``tree`` sampler: the nominal shape (:func:`sample_trees`), or the token-matched tree
+    (:func:`sample_token_matched`) when ``cfg.budget_tokens`` is set."""
+    fn = sample_trees if cfg.budget_tokens is None else sample_token_matched
+    return fn(runner, tasks, cfg, rng, generator)
+
+
+SAMPLERS: dict[str, Sampler] = {"chain": sample_chains, "tree": sample_tree, "eptree": sample_eptree}
 
 
 def register_sampler(name: str) -> Callable[[Sampler], Sampler]:
@@ -39,5 +60,7 @@ __all__ = [
     "register_sampler",
     "sample_chains",
     "sample_eptree",
+    "sample_token_matched",
+    "sample_tree",
     "sample_trees",
 ]

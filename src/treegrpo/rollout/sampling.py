@@ -38,6 +38,9 @@ class SamplerConfig:
         t: ``eptree``: branches per fork point (T); ``m``, ``n``, ``l`` are its M, N, L.
         fork_score: ``eptree``: how tokens are ranked as fork points: ``logp`` (``-log p`` of the
             sampled token), ``entropy`` (full-distribution entropy) or ``random``.
+        budget_tokens: ``tree``: ``None`` for the nominal shape (L rounds of N picks), or a budget
+            of generated tokens per prompt — a number, or ``"chain:G"`` (G chains' measured mean):
+            the token-matched tree of :mod:`treegrpo.rollout.token_budget` (``l`` unused).
     """
 
     name: str = "tree"
@@ -48,6 +51,7 @@ class SamplerConfig:
     expand_mode: ExpandMode = "random"
     t: int = 2
     fork_score: Literal["logp", "entropy", "random"] = "logp"
+    budget_tokens: int | float | str | None = None
 
     def trajectories_per_prompt(self) -> int:
         if self.name == "eptree":  # at most: a tree with fewer candidate tokens forks less

@@ -25,7 +25,7 @@ from treegrpo.rollout.sampling import ExpandMode, SamplerConfig
 from treegrpo.tree import Forest, Node, Tree
 
 
-def _initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
+def initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
     forests = [runner.new_forest(t, n_trees) for t in tasks]
     cursors = [
         Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task)
@@ -44,12 +44,25 @@ def sample_chains(
 ) -> RolloutResult:
     """G independent chains per prompt, all prompts batched per turn: the tree sampler with
     M = G and no expansion round, so both modes share one code path and one set of counters."""
-    return sample_trees(runner, tasks, dataclasses.replace(cfg, m=cfg.group_size, l=0), rng, generator)
+    return sample_trees(runner, tasks, dataclasses.replace(cfg, m=cfg.group_size, l=0, budget_tokens=None), rng, generator)
 
 
 def _mean_surprise(node: Node) -> float:
     lps = [lp for lp, m in zip(node.logprobs, node.policy_mask, strict=False) if m]
     return -sum(lps) / len(lps) if lps else 0.0
+
+
+def surprise_scores(tree: Tree, candidates: Sequence[Node], times: dict[int, int]) -> list[float]:
+    """The ``entropy`` pick rule's score of each candidate. Expanding a node re-samples the step
+    taken from its context, so a node is scored by the steps already sampled there (its children):
+    their mean -log p, averaged over children, divided by 1 + how often the node was already
+    expanded (children beyond the first continuation, plus ``times``: picks made this round)."""
+    out = []
+    for nd in candidates:
+        kids = tree.children[nd.id]
+        surprise = sum(_mean_surprise(tree.node(c)) for c in kids) / max(1, len(kids))
+        out.append(surprise / (1 + max(0, len(kids) - 1) + times.get(nd.id, 0)))
+    return out
 
 
 def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list[Node]:
@@ -61,22 +74,11 @@ def pick_nodes(tree: Tree, n: int, mode: ExpandMode, rng: random.Random) -> list
     if mode == "nonroot":
         return [rng.choice(nonleaf) for _ in range(n)]
     if mode == "entropy":
-        # Expanding a node re-samples the step taken from its context, so a node is scored by the
-        # steps already sampled there (its children): their mean -log p, averaged over children,
-        # divided by 1 + how often the node was already expanded (children beyond the first
-        # continuation, plus picks made this round). Exact ties break at random.
         candidates = [tree.root, *nonleaf]
-        surprise = {}
-        for nd in candidates:
-            kids = tree.children[nd.id]
-            surprise[nd.id] = sum(_mean_surprise(tree.node(c)) for c in kids) / max(1, len(kids))
         picks: list[Node] = []
         times: dict[int, int] = {}
         for _ in range(n):
-            scores = [
-                surprise[nd.id] / (1 + max(0, len(tree.children[nd.id]) - 1) + times.get(nd.id, 0))
-                for nd in candidates
-            ]
+            scores = surprise_scores(tree, candidates, times)
             top = max(scores)
             best = rng.choice([nd for nd, sc in zip(candidates, scores, strict=True) if sc == top])
             times[best.id] = times.get(best.id, 0) + 1
@@ -99,7 +101,7 @@ def sample_trees(
     chains instead of waiting for the slowest trajectory of the batch: one pass, no second tail.
     """
     t0 = time.perf_counter()
-    forests, cursors = _initialize(runner, tasks, cfg.m)
+    forests, cursors = initialize(runner, tasks, cfg.m)
     budgets = [Budget() for _ in tasks]
     in_flight = {id(c.tree): 1 for c in cursors}  # trajectories of the tree's current round
     rounds = {id(c.tree): 0 for c in cursors}  # expansion rounds started per tree

@@ -66,6 +66,7 @@ RESUME_FREE_FIELDS = frozenset(
         "threads",
         "tensorboard",
         "eval_every",
+        "eval_every_tokens",
         "save_every",
         "dump_rollouts_every",
     }
@@ -99,7 +100,7 @@ class RunState:
     times: dict[str, float] = field(default_factory=lambda: {"rollout_s": 0.0, "update_s": 0.0})
     eval_start: dict[str, float] = field(default_factory=dict)
     last_eval: dict[str, float] = field(default_factory=dict)
-    em_curve: list[list[float]] = field(default_factory=list)  # [generated tokens, held-out success]
+    em_curve: list[list[float]] = field(default_factory=list)  # [generated tokens, held-out success, tool calls]
     wall_s: float = 0.0  # wall seconds of the run up to ``step`` (all sessions)
     rank_streams: list[dict[str, Any]] = field(default_factory=list)  # data parallel: every rank's picks/gen
 

@@ -121,6 +121,10 @@ class TrainConfig(BaseModel):
         "random",
         description="Which nodes a tree expands: random (official, root eligible), nonroot, entropy.",
     )
+    budget_tokens: int | str | None = Field(
+        None,
+        description="Tree: spend this many generated tokens per prompt instead of the nominal shape: a number, or chain:G (G times the mean tokens of one chain, measured on each step's initial chains). M initial chains, then rounds of up to N picks per tree among the nodes whose measured cost still fits (L unused). Default: the nominal (M, N, L).",
+    )
     t: int = Field(2, ge=1, description="EPTree: branches per fork point (T).")
     fork_score: Literal["logp", "entropy", "random"] = Field(
         "logp", description="EPTree: fork at the tokens with the highest -log p, entropy, or at random."
@@ -245,6 +249,9 @@ class TrainConfig(BaseModel):
 
     # -- evaluation, logging, checkpoints ---------------------------------------------------------
     eval_every: int = Field(40, ge=0, description="Evaluate every N steps (0: only at start and end).")
+    eval_every_tokens: int = Field(
+        0, ge=0, description="Also evaluate after each step that takes the run's generated tokens past a multiple of this (0: off): EM-per-token curves with points at equal cost. These extra points are sampled only (when eval_sampled); greedy stays at the regular evaluations."
+    )
     eval_prompts: int = Field(128, ge=1, description="Held-out prompts per evaluation.")
     eval_sampled: bool = Field(True, description="Also evaluate with sampling at T=1 (besides greedy).")
     save_every: int = Field(40, ge=0, description="Checkpoint every N steps (0: only at the end).")
@@ -364,7 +371,13 @@ class TrainConfig(BaseModel):
                 f"{self.estimator} groups agent steps and eptree's nodes are token segments: "
                 "use sampler=tree or chain, or advantage=treerl"
             )
-        if self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
+        if self.budget_tokens is not None:
+            from treegrpo.rollout.token_budget import parse_budget_tokens
+
+            parse_budget_tokens(self.budget_tokens)  # a bad value: one line naming the forms
+            if self.sampler != "tree" or self.n < 1:
+                raise ValueError("budget_tokens needs --sampler tree with N >= 1 (picks per tree per round)")
+        elif self.sampler in ("tree", "eptree") and self.n * self.l == 0 and self.m < 2:
             raise ValueError(
                 "a tree with N·L = 0 and M = 1 has one trajectory per prompt: no group to compare"
             )

@@ -19,11 +19,12 @@ from treegrpo.tree import Tree
 EVAL_SEED = 12345  # evaluation draws from its own stream, never from the training RNG
 
 
-def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True) -> dict[str, float]:
+def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True, greedy: bool = True) -> dict[str, float]:
     """Held-out success: greedy, and (optionally) sampled at T=1 — one chain per question, drawn
-    from a fixed evaluation stream so evaluating never moves the training RNG."""
+    from a fixed evaluation stream so evaluating never moves the training RNG. ``greedy=False``
+    (with ``sampled``) skips the greedy half: a cheaper point on an EM curve."""
     out: dict[str, float] = {}
-    modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if sampled else [])
+    modes = ([("greedy", 0.0)] if greedy or not sampled else []) + ([("sampled", 1.0)] if sampled else [])
     chains = get_sampler("chain")
     for name, temp in modes:
         r = StepRunner(
@@ -63,7 +64,7 @@ def well_formed(tree: Tree, leaf_id: int, kinds: Sequence[str] = ("search", "ans
 
 def headline(ev: dict[str, float]) -> float:
     """The headline held-out figure: sampled success when measured, else greedy."""
-    return ev.get("eval/success_sampled", ev["eval/success_greedy"])
+    return ev["eval/success_sampled"] if "eval/success_sampled" in ev else ev["eval/success_greedy"]
 
 
 __all__ = ["EVAL_SEED", "action_kinds", "evaluate", "headline", "well_formed"]

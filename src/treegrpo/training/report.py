@@ -55,7 +55,7 @@ def run_shape(cfg: TrainConfig) -> str:
 
 def fmt_eval(ev: dict[str, float]) -> str:
     """Held-out success figures of an evaluation, for a console line."""
-    parts = [f"greedy {ev['eval/success_greedy']:.3f}"]
+    parts = [f"greedy {ev['eval/success_greedy']:.3f}"] if "eval/success_greedy" in ev else []
     if "eval/success_sampled" in ev:
         parts.insert(0, f"sampled {ev['eval/success_sampled']:.3f}")
     return " · ".join(parts)
@@ -75,7 +75,7 @@ def step_line(step: int, m: dict[str, float], label: str = "success") -> str:
         f"gen tok {int(m['budget/generated_tokens'])} · tools/traj {m['budget/tool_calls_per_traj']:.2f} · "
         f"turns {m['rollout/turns_mean']:.2f} · {m['time/rollout_s']:.1f}s+{m['time/update_s']:.1f}s"
     )
-    if "eval/success_greedy" in m:
+    if "eval/success_greedy" in m or "eval/success_sampled" in m:
         word = "" if label == "success" else f"{label} "
         line += f" · [bold]held-out {word}{fmt_eval(m)}[/]"
     return line

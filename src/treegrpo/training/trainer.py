@@ -161,7 +161,8 @@ def train(
             console.print(note)
     sampler = get_sampler(cfg.sampler)
     sampler_cfg = SamplerConfig(
-        cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score
+        cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score,
+        budget_tokens=cfg.budget_tokens,
     )
     estimator = cfg.estimator
     get_advantage_estimator(estimator)  # fail fast on an unknown name
@@ -196,7 +197,7 @@ def train(
             lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled)
         )
         run.last_eval = run.eval_start
-        run.em_curve.append([0, headline(run.eval_start)])
+        run.em_curve.append([0, headline(run.eval_start), 0])
         logger.log(0, run.eval_start)
         console.print(f"step {0:4d} · held-out {label} {fmt_eval(run.eval_start)}")
 
@@ -235,6 +236,7 @@ def train(
             dt_roll, dt_upd, cpu_roll, cpu_upd = par.slowest(t1 - t0, t2 - t1, c1 - c0, c2 - c1)
             # 4. bookkeeping: metrics, evaluation, rollouts, checkpoint
             budget = everything.total()
+            tokens_before = run.totals["generated_tokens"]
             run.step = step
             run.account(
                 n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
@@ -251,11 +253,12 @@ def train(
                 metrics["mem/peak_rss_gb"] = rss  # this process's high-water mark, before the step's evaluation
             if cfg.lr_warmup_steps or cfg.lr_schedule != "constant":
                 metrics["actor/lr"] = lr
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            if due := eval_due(cfg, step, tokens_before, run.totals["generated_tokens"]):
                 policy.rollout_module()  # FSDP2: the engine's full copy refreshed from the shards
-                run.last_eval = par.on_main(lambda: evaluate(runner, parts.eval_tasks, cfg.eval_sampled))
+                greedy = due == "full"  # a token checkpoint alone: the sampled half only (when measured)
+                run.last_eval = par.on_main(lambda g=greedy: evaluate(runner, parts.eval_tasks, cfg.eval_sampled, g))
                 metrics.update(run.last_eval)
-                run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval)])
+                run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval), run.totals["tool_calls"]])
             monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
             metrics.update(monitored)
             logger.log(step, metrics)
@@ -283,6 +286,17 @@ def train(
         atomic_write_json(out / "summary.json", summary.to_dict())
     par.close()
     return summary
+
+
+def eval_due(cfg: TrainConfig, step: int, tokens_before: int, tokens_after: int) -> str | None:
+    """Whether ``step`` ends with a held-out evaluation: ``"full"`` every ``eval_every`` steps and
+    at the last step; ``"tokens"`` (``eval_every_tokens``) at any other step that took the run's
+    generated tokens from ``tokens_before`` past a multiple of ``eval_every_tokens`` (a point on the
+    EM-per-token curve: sampled only, when ``eval_sampled``); ``None`` otherwise."""
+    if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+        return "full"
+    k = cfg.eval_every_tokens
+    return "tokens" if k and tokens_after // k > tokens_before // k else None
 
 
 def advantage_config(cfg: TrainConfig) -> AdvantageConfig:
