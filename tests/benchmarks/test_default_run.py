@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from treegrpo.benchmarks import default_run as dr
+from treegrpo.benchmarks.provenance import torch_machine
 from treegrpo.errors import ConfigError
 
 
@@ -87,7 +88,7 @@ def test_a_spread_is_one_config_from_one_commit(tmp_path: Path) -> None:
     dr.write_spread(out, "before", [a], "old", "cmd1", headline=False)
     doc = dr.write_spread(out, "after", [a, b], "new", "cmd2")
     assert json.loads(out.read_text()) == doc and list(doc["spreads"]) == ["before", "after"]
-    assert doc["headline"] == "after" and doc["spreads"]["before"]["provenance"] == {"command": "cmd1", **a["code"]}
+    assert doc["headline"] == "after" and doc["spreads"]["before"]["provenance"] == {"command": "cmd1", **a["code"], **torch_machine(1)}
     after = doc["spreads"]["after"]
     assert after["config"] == a["config"] and after["bootstrap_config"] == {"p": 1} and "code" not in after["rows"][0]
     doc = dr.write_spread(out, "before", [b], "old again", "cmd3", headline=False)
@@ -174,7 +175,7 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
     from treegrpo.training.defaults import AUTO_LIMITS, resolve_model_defaults
 
     doc = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "default_run.json").read_text())
-    assert doc["what"] == dr.WHAT and doc["headline"] in doc["spreads"] and "before" in doc["spreads"]
+    assert doc["what"] == dr.WHAT and doc["headline"] in doc["spreads"]
     for label, sp in doc["spreads"].items():
         rows = sp["rows"]
         kernels = list(dict.fromkeys(r["kernels"] for r in rows))  # in the rows' order: the CPU's own first
@@ -193,6 +194,7 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
                     assert n == sp["config"]["eval_prompts"] and ok / n == r[when][mode], (label, r["seed"], when)
         assert sp["summary"] == dr.summarize(rows), label
         assert sp["provenance"]["commit"] and sp["provenance"]["dirty"] is False, label
+        assert sp["provenance"]["cpu"] and sp["provenance"]["torch_threads"] == sp["config"]["threads"] == 1, label
         for k in kernels:  # each kernel set's first run bootstrapped its own agent, the others reused it
             built = [r["seed"] for r in rows if r["kernels"] == k and r["bootstrap"]["built_by_this_run"]]
             assert built == [per[k][0]] and len({r["bootstrap"]["model_hash"] for r in rows if r["kernels"] == k}) == 1
@@ -202,7 +204,7 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
     as_json = lambda x: json.loads(json.dumps(x))  # noqa: E731  (tuples read back as lists)
     today = as_json({k: v for k, v in today.items() if k not in dr.PER_RUN})
     # a field added since the spread was run must be off by default (it cannot have changed the run)
-    assert {k: today[k] for k in today.keys() - head["config"].keys()} == dict.fromkeys(today.keys() - head["config"].keys())
+    assert all(today[k] in (None, 0, False) for k in today.keys() - head["config"].keys())  # None/0: off
     assert head["config"] == {k: today[k] for k in head["config"]}
     assert head["bootstrap_config"] == as_json(BootstrapConfig.for_preset("default").to_dict())
     ends = head["summary"]["end_sampled"]

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import treegrpo
-from treegrpo.benchmarks.provenance import library_versions, model_hash, source_commit
+from treegrpo.benchmarks.provenance import library_versions, model_hash, source_commit, torch_machine
 from treegrpo.benchmarks.runner import Log, spread, write_result
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
@@ -364,7 +364,9 @@ def spread_doc(rows: Sequence[dict[str, Any]], about: str, command: str) -> dict
         "bootstrap_config": rows[0]["bootstrap_config"],
         "rows": [{k: v for k, v in r.items() if k not in SHARED} for r in rows],
         "summary": summarize(rows),
-        "provenance": {"command": command, **rows[0]["code"]},
+        # the machine (its CPU model, its own kernel set; each row's torch_kernels is what it ran) and
+        # the runs' torch threads (their config's)
+        "provenance": {"command": command, **rows[0]["code"], **torch_machine(rows[0]["config"].get("threads") or 1)},
     }
 
 
