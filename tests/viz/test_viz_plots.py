@@ -97,7 +97,7 @@ def test_benchmark_replot(tmp_path: Path) -> None:
     assert benchmark_name({"bench": "learn"}) == "learn" and benchmark_name([1]) is None
     other = tmp_path / "retrieval.json"
     other.write_text(json.dumps({"recall": {}}))
-    with pytest.raises(ConfigError, match="no 'bench' field; plots exist for the budget, eptree, learn, learn_gigpo, packing"):
+    with pytest.raises(ConfigError, match="no 'bench' field; plots exist for the budget, eptree, learn, learn_gigpo, learn_tokens, packing"):
         replot(other)
     broken = tmp_path / "packing_broken.json"
     broken.write_text(json.dumps({"benchmark": "packing"}))
