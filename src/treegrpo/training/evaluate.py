@@ -47,7 +47,22 @@ def evaluate(runner: StepRunner, tasks: Sequence[Task], sampled: bool = True, gr
         ) / max(1, len(leaves))
         out[f"eval/success_{name}"] = sum(float(leaf.reward or 0.0) for leaf in leaves) / max(1, len(leaves))
         out[f"eval/tool_calls_{name}"] = result.total().tool_calls / max(1, len(leaves))
+        out[f"eval/turns_ended_{name}"] = turns_ended(result.forests)
     return out
+
+
+def turns_ended(forests: Sequence[Any]) -> float:
+    """The fraction of the model's turns that ended by themselves — at the end-of-turn token or a
+    stop string (finish reason ``eos`` or ``stop``) — rather than being cut at the per-turn token cap
+    (``length``); a model that talks past its answer scores low. 0.0 with no turns."""
+    reasons = [
+        n.extra.get("finish_reason")
+        for f in forests
+        for t in f.trees
+        for n in t.nodes
+        if n.parent is not None and n.extra.get("kind") != "overflow"
+    ]
+    return sum(r in ("eos", "stop") for r in reasons) / max(1, len(reasons))
 
 
 def action_kinds(env: Any) -> tuple[str, ...]:
@@ -67,4 +82,4 @@ def headline(ev: dict[str, float]) -> float:
     return ev["eval/success_sampled"] if "eval/success_sampled" in ev else ev["eval/success_greedy"]
 
 
-__all__ = ["EVAL_SEED", "action_kinds", "evaluate", "headline", "well_formed"]
+__all__ = ["EVAL_SEED", "action_kinds", "evaluate", "headline", "turns_ended", "well_formed"]
