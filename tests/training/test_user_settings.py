@@ -7,9 +7,9 @@ from __future__ import annotations
 from treegrpo.envs.tool_env import ToolEnv
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.training.config import make_config
-from treegrpo.training.evaluate import action_kinds, well_formed
+from treegrpo.training.evaluate import action_kinds, turns_ended, well_formed
 from treegrpo.training.setup import recorded_agent_fields, user_agent_fields
-from treegrpo.tree import Node, Tree
+from treegrpo.tree import Forest, Node, Tree
 
 
 def test_a_familys_fixed_agent_takes_the_fields_the_user_set() -> None:
@@ -56,3 +56,17 @@ def test_well_formed_counts_every_declared_action() -> None:
 
     assert well_formed(_tree(["sql", "answer"]), 2, action_kinds(SqlEnv.__new__(SqlEnv)))
     assert not well_formed(_tree(["sql", "answer"]), 2)  # the search env's kinds alone
+
+
+def test_turns_ended_counts_the_turns_the_model_ended_itself() -> None:
+    """eos and stop end a turn by themselves; a turn cut at the step cap (length) does not; the
+    prompt and an overflow leaf (no model turn) are not turns. By hand: 3 of 5 turns."""
+
+    def step(i: int, parent: int, reason: str, kind: str = "tool") -> Node:
+        return Node(i, parent, tokens=[1], policy_mask=[1], extra={"kind": kind, "finish_reason": reason})
+
+    a = Tree([Node(0, None, tokens=[9], policy_mask=[0]), step(1, 0, "eos"), step(2, 1, "length"), step(3, 1, "stop")])
+    b = Tree([Node(0, None, tokens=[9], policy_mask=[0]), step(1, 0, "length"), step(2, 1, "eos", "answer")])
+    b.add(Node(3, 2, tokens=[], policy_mask=[], extra={"kind": "overflow", "finish_reason": "length"}))
+    assert turns_ended([Forest("p", [a, b])]) == 3 / 5
+    assert turns_ended([]) == 0.0
