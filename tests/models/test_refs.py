@@ -54,7 +54,7 @@ def test_cut_layers_names_a_layout_it_cannot_cut(tmp_path: Path) -> None:
 
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)).save_pretrained(folder)
-    with pytest.raises(ConfigError, match="does not use the model.layers.<i> layout") as e:
+    with pytest.raises(ConfigError, match=r"does not use the model\.layers") as e:
         cut_layers(folder, 1, tmp_path / "cut")
     assert "\n" not in str(e.value) and "transformer.h.1" in str(e.value)
 
