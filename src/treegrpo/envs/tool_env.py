@@ -423,8 +423,11 @@ class ToolEnv:
         return self.tokenizer.decode(ids[: self.max_result_tokens], skip_special_tokens=True) + " …"
 
     def _step_messages(self, text: str) -> list[Message]:
-        """The messages of a step the env did not answer (it ended the trajectory)."""
-        return [{"role": "assistant", "content": text}] if text else []
+        """The messages of a step the env did not answer (it ended the trajectory): always an
+        assistant message, empty when the model wrote nothing (a context overflow before the first
+        step, an end-of-turn at once), so a completion's last message is always its final turn, as
+        in TRL (a reward reading ``completion[-1]["content"]`` gets ``""``, not an IndexError)."""
+        return [{"role": "assistant", "content": text}]
 
     def _rewards(
         self, tasks: Sequence[Task], completions: Sequence[Sequence[Message]], states: Sequence[Any]
