@@ -313,8 +313,14 @@ class ToolEnv:
         inst.restore(snapshot)
         return inst
 
-    def state_key(self, state: Any) -> str:
-        return str(state.state_key())
+    @property
+    def state_key(self) -> Callable[[Any], str] | None:
+        """The tool class's own ``state_key()`` (which states are equal: GiGPO's state anchors), or
+        ``None`` when it has none — the env then keys no states (:func:`treegrpo.envs.state.state_key`);
+        an always-present method once called ``state_key()`` on every class and broke every tree."""
+        if self._class is None or not callable(getattr(self._class, "state_key", None)):
+            return None
+        return lambda state: str(state.state_key())
 
     # -- helpers -------------------------------------------------------------------------------------
     def _state_mode(self) -> str:
