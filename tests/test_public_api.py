@@ -184,3 +184,29 @@ def test_train_data_as_a_datasets_dataset(tiny_model_dir: Path, tmp_path: Path) 
     assert seen and set(seen) <= {0, 1, 2} and all(isinstance(v, int) for v in seen)
     # a nested function cannot be imported back: recorded by its repr (it once failed validation as an unknown reward)
     assert json.loads((out / "config.json").read_text())["reward"] == ["<test_train_data_as_a_datasets_dataset.<locals>.by_level>"]
+
+
+class Tally:
+    """A tool class (TRL's environment_factory): one tally per trajectory, no fork/snapshot/state_key."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def bump(self, by: int) -> str:
+        """Add to the tally.
+
+        Args:
+            by: how much
+        """
+        self.total += by
+        return str(self.total)
+
+
+def test_a_tool_class_trains_with_the_tree_sampler(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A plain tool class branches by replay through a real tree (it once raised AttributeError
+    asking it for state_key())."""
+    out = tmp_path / "class"
+    s = treegrpo.train(tiny_model_dir, train_data=ROWS, environment_factory=Tally, m=1, n=2, l=1, out_dir=str(out),
+                       **{**FAST, "max_turns": 2})  # fmt: skip
+    assert s.steps == 1 and s.trajectories == 2 * 3
+    assert json.loads((out / "config.json").read_text())["tools"] == [f"{__name__}:Tally"]
