@@ -342,6 +342,40 @@ def test_the_default_runs_figures_are_the_spread_of_its_runs() -> None:
     assert f"held-out success {sampled} sampled, {greedy} greedy ({what})" in docs
 
 
+def test_the_first_run_says_the_bootstrap_takes_minutes() -> None:
+    """Before the set-up command, the README says the first run builds the tiny agent and how long
+    that took: the range of the recorded clean-cache bootstraps (``bootstrap.wall_s``)."""
+    head = "\n".join(README.read_text().splitlines()[:20])
+    m = re.search(r"the first run builds the tiny agent[^`]*?takes\s+minutes \((\d+)–(\d+) min", head)
+    assert m, "the README's set-up paragraph must say the first-time bootstrap takes minutes"
+    built = [r["bootstrap"]["wall_s"] for r in default_spread()["rows"] if r["bootstrap"]["built_by_this_run"]]
+    assert built and (int(m[1]), int(m[2])) == (round(min(built) / 60), round(max(built) / 60))
+
+
+def test_the_docs_say_how_to_run_your_own_env() -> None:
+    text = (ROOT / "docs" / "stateful-tools.md").read_text()
+    assert "treegrpo train --env " in text and re.search(r"treegrpo\.train\([^)]*env=", text)
+    assert "](tools.md)" in text
+
+
+def test_the_docs_say_what_resume_does_on_a_folder_without_a_run(tmp_path: Path) -> None:
+    """docs/configuration.md quotes what ``--resume`` says on a folder with no run (it starts one)
+    and on one whose earlier run left no checkpoint (it refuses): the messages the code prints."""
+    from treegrpo.errors import ConfigError
+    from treegrpo.training.checkpoint import open_checkpoint
+
+    doc = (ROOT / "docs" / "configuration.md").read_text().replace("\n", " ")
+    said: list[str] = []
+    assert open_checkpoint(tmp_path, say=said.append) is None  # nothing there: a new run begins
+    quoted = re.search(r"`(--resume: nothing to resume in OUT[^`]*)`", doc)
+    assert quoted and said == [quoted[1].replace("OUT", str(tmp_path))]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run, its checkpoint gone
+    with pytest.raises(ConfigError) as e:
+        open_checkpoint(tmp_path, say=said.append)
+    refused = re.search(r"`(cannot resume OUT: [^`…]*)…`", doc)
+    assert refused and str(e.value).startswith(refused[1].replace("OUT", str(tmp_path)))
+
+
 _SLUG_DROP = re.compile(r"[^\w\- ]")
 
 

@@ -104,6 +104,22 @@ def test_no_action_and_the_final_turn() -> None:
     assert (last_text.kind, last_text.done, last_text.reward) == ("invalid", True, 0.0)
 
 
+def last_content(completions, **kw):
+    return [float(c[-1]["content"] == "") for c in completions]  # the docs' way to read a final answer: completion[-1]
+
+
+def test_a_trajectory_ended_with_nothing_written_is_still_an_assistant_turn() -> None:
+    """A trajectory the loop ends before the model wrote anything (a context overflow before the first
+    step, an end-of-turn at once) reaches the rewards as one empty assistant message, as in TRL —
+    a reward reading ``completion[-1]`` once raised IndexError on it, stopping the run."""
+    env = ToolEnv([add], rewards=[last_content])
+    assert env.score(TASK, "") == 1.0
+    reward, info = env.score_outcome(TASK, "", [])
+    assert reward == 1.0 and info["rewards"] == {"last_content": 1.0}
+    history = [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "5"}]
+    assert env.score_outcome(TASK, "", history)[0] == 1.0  # the final turn is the empty one, not the tool's result
+
+
 def test_the_prompt_lists_the_tools_and_the_protocol() -> None:
     p = ToolEnv([add]).prompt(TASK)
     assert p.startswith("What is 2 + 3?\n\n") and '"name": "add"' in p and "<tool_call>" in p and "<answer>" in p

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from treegrpo import ConfigError
 from treegrpo.models import refs
 from treegrpo.models.loader import ModelLoadError, load_model, load_pretrained, resolve_model_ref
 from treegrpo.models.tiny import cut_layers
@@ -40,8 +41,22 @@ def test_cut_layers_keeps_the_first_layers(tiny_model_dir: Path, tmp_path: Path)
     assert cut.config.num_hidden_layers == 1
     for k, v in cut.state_dict().items():
         assert torch.equal(v, full.state_dict()[k]), k
-    with pytest.raises(ValueError, match="layers asked"):
-        cut_layers(tiny_model_dir, 5, tmp_path / "x")
+    for bad in (5, 0, "1"):
+        with pytest.raises(ConfigError, match="layers asked") as e:  # a one-line user error, not a ValueError
+            cut_layers(tiny_model_dir, bad, tmp_path / "x")  # type: ignore[arg-type]
+        assert "\n" not in str(e.value) and "give 1 to 2" in str(e.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cut_layers_names_a_layout_it_cannot_cut(tmp_path: Path) -> None:
+    """A model without ``model.layers.<i>`` (GPT-2's ``transformer.h.<i>``) is a one-line ConfigError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)).save_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"does not use the model\.layers") as e:
+        cut_layers(folder, 1, tmp_path / "cut")
+    assert "\n" not in str(e.value) and "transformer.h.1" in str(e.value)
 
 
 def test_smollm2_builtin_converts_once_and_loads(smollm2_2layer_dir: Path) -> None:

@@ -133,11 +133,13 @@ def test_progress_line_hand_values() -> None:
     assert progress_line(5, 5, 0.1, 0.2, 20, 10.0).endswith("ETA 0s")
 
 
-def _tiny_warmup(model_dir: Path, tmp: Path, console: Console, epochs: float = 2, **run: object) -> dict[str, object]:
+def _tiny_warmup(
+    model_dir: Path, tmp: Path, console: Console, epochs: float = 2, reward: str = "em", **run: object
+) -> dict[str, object]:
     corpus, data = _files(tmp)
     cfg = make_config(
         {"model": str(model_dir), "data": str(data), "corpus": str(corpus), "eval_sampled": False,
-         "max_turns": 2, "max_step_tokens": 104, "max_context_tokens": 480, "eval_prompts": 1}
+         "max_turns": 2, "max_step_tokens": 104, "max_context_tokens": 480, "eval_prompts": 1, "reward": reward}
     )  # fmt: skip
     sft = WarmupConfig(epochs=epochs, batch_size=2, pack_len=0, lr=1e-3)
     return run_warmup(cfg, WarmupRun(tmp / "warm", demos=6, sft=sft, eval_prompts=1, **run), console)  # type: ignore[arg-type]
@@ -153,6 +155,17 @@ def test_warmup_prints_progress_lines_when_not_a_terminal(tiny_model_dir: Path, 
     for x in lines:
         assert re.fullmatch(r"warm-up step \d/6 · loss \d+\.\d{4} \(ema \d+\.\d{4}\) · \d+\.\d\d demos/s · ETA \S+", x), x
     assert lines[-1].endswith("ETA 0s")
+    before = [x for x in log.getvalue().splitlines() if x.startswith("before: ")]
+    assert len(before) == 1 and before[0].startswith("before: success_greedy ")  # em is 0/1: a success rate
+
+
+def test_warmup_calls_a_reward_that_is_not_0_1_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The before/after lines use the trainer's label (report.eval_label): f1 is a mean reward, not a success rate."""
+    log = io.StringIO()
+    record = _tiny_warmup(tiny_model_dir, tmp_path, Console(file=log, force_terminal=False, width=200), epochs=0.3, reward="f1")
+    printed = [x for x in log.getvalue().splitlines() if x.startswith(("before: ", "after: "))]
+    assert len(printed) == 2 and all("reward_greedy " in x and "success" not in x for x in printed), printed
+    assert "eval/success_greedy" in record["eval_after"]  # type: ignore[operator]  # the metric keys stay the trainer's
 
 
 def test_warmup_on_a_terminal_prints_no_progress_lines(tiny_model_dir: Path, tmp_path: Path) -> None:

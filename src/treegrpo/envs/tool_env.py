@@ -313,8 +313,14 @@ class ToolEnv:
         inst.restore(snapshot)
         return inst
 
-    def state_key(self, state: Any) -> str:
-        return str(state.state_key())
+    @property
+    def state_key(self) -> Callable[[Any], str] | None:
+        """The tool class's own ``state_key()`` (which states are equal: GiGPO's state anchors), or
+        ``None`` when it has none — the env then keys no states (:func:`treegrpo.envs.state.state_key`);
+        an always-present method once called ``state_key()`` on every class and broke every tree."""
+        if self._class is None or not callable(getattr(self._class, "state_key", None)):
+            return None
+        return lambda state: str(state.state_key())
 
     # -- helpers -------------------------------------------------------------------------------------
     def _state_mode(self) -> str:
@@ -423,8 +429,11 @@ class ToolEnv:
         return self.tokenizer.decode(ids[: self.max_result_tokens], skip_special_tokens=True) + " …"
 
     def _step_messages(self, text: str) -> list[Message]:
-        """The messages of a step the env did not answer (it ended the trajectory)."""
-        return [{"role": "assistant", "content": text}] if text else []
+        """The messages of a step the env did not answer (it ended the trajectory): always an
+        assistant message, empty when the model wrote nothing (a context overflow before the first
+        step, an end-of-turn at once), so a completion's last message is always its final turn, as
+        in TRL (a reward reading ``completion[-1]["content"]`` gets ``""``, not an IndexError)."""
+        return [{"role": "assistant", "content": text}]
 
     def _rewards(
         self, tasks: Sequence[Task], completions: Sequence[Sequence[Message]], states: Sequence[Any]

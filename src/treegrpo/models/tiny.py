@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
+from treegrpo.errors import ConfigError
 from treegrpo.models.loader import EOS, MARKER_FILE, PAD
 
 # Protocol tags are single tokens in the tiny vocabulary, so a stop tag is one stop id.
@@ -126,8 +127,8 @@ def cut_layers(folder: str | Path, n_layers: int, out: str | Path) -> Path:
 
     folder, out = (Path(folder) if Path(folder).is_dir() else resolve_model_ref(folder)), Path(out)
     config = AutoConfig.from_pretrained(folder)
-    if not 0 < n_layers <= config.num_hidden_layers:
-        raise ValueError(f"cut_layers: {n_layers} layers asked of a {config.num_hidden_layers}-layer model")
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 0 < n_layers <= config.num_hidden_layers:
+        raise ConfigError(f"cut_layers: {n_layers} layers asked of a {config.num_hidden_layers}-layer model; give 1 to {config.num_hidden_layers}")
     full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     keep = {
         k: v
@@ -140,7 +141,8 @@ def cut_layers(folder: str | Path, n_layers: int, out: str | Path) -> Path:
     small = AutoModelForCausalLM.from_config(config)
     missing, unexpected = small.load_state_dict(keep, strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
-        raise ValueError(f"cut_layers: {folder} does not use the model.layers.<i> layout ({missing[:3]} …)")
+        odd = [*unexpected, *missing][:3]
+        raise ConfigError(f"cut_layers: {folder} does not use the model.layers.<i> layout (Llama, Qwen2, Mistral …): {odd} …")
     small.save_pretrained(out)
     AutoTokenizer.from_pretrained(folder).save_pretrained(out)
     return out

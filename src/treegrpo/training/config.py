@@ -327,7 +327,8 @@ class TrainConfig(BaseModel):
         if isinstance(v, list) and not v:
             raise ValueError("name at least one reward (em, sub_em, f1, format or package.module:function)")
         for r in v if isinstance(v, list) else ():
-            if isinstance(r, str) and r not in ("em", "sub_em", "f1", "format") and ":" not in r:
+            in_memory = isinstance(r, str) and r.startswith("<") and r.endswith(">")  # a lambda / nested function passed from Python (imports.object_ref)
+            if isinstance(r, str) and r not in ("em", "sub_em", "f1", "format") and ":" not in r and not in_memory:
                 raise ValueError(f"unknown reward {r!r}; choose em, sub_em, f1, format or package.module:function")
         return v
 

@@ -37,6 +37,7 @@ from treegrpo.training.config import TrainConfig
 from treegrpo.training.demo_file import read_demos
 from treegrpo.training.evaluate import evaluate
 from treegrpo.training.memory import return_freed_memory
+from treegrpo.training.report import eval_label
 from treegrpo.training.setup import build_run
 from treegrpo.training.warmup import (
     WARMUP_RECORD,
@@ -131,8 +132,9 @@ def run_warmup(
     measure = (lambda: evaluate(runner, eval_tasks, cfg.eval_sampled)) if eval_tasks else dict
     if not eval_tasks:
         console.print("no held-out questions to measure: give --eval-data (or --data) to see the warm-up's effect")
+    label = eval_label(env)  # held-out "success" (0/1 rewards) or "reward", as the trainer says
     before = measure()
-    console.print(f"before: {_fmt(before)}")
+    console.print(f"before: {_fmt(before, label)}")
     steps = sft_steps(len(encoded), run.sft)
     every = run.log_every or max(1, steps // 20)
     say = None if console.is_terminal else (lambda line: console.print(line, markup=False, highlight=False))
@@ -143,7 +145,7 @@ def run_warmup(
         )
     runner.engine.load_weights(model)
     after = measure()
-    console.print(f"after:  {_fmt(after)}")
+    console.print(f"after:  {_fmt(after, label)}")
     record = {
         "model": str(parts.model_dir),
         "data": cfg.data,
@@ -173,5 +175,11 @@ def run_warmup(
     return record
 
 
-def _fmt(ev: dict[str, float]) -> str:
-    return " · ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(ev.items()) if "tool" not in k)
+def _fmt(ev: dict[str, float], label: str = "success") -> str:
+    """Held-out figures for the before/after lines; ``success_*`` is called ``label``
+    (:func:`~treegrpo.training.report.eval_label`: ``reward`` when the rewards are not 0/1)."""
+    return " · ".join(
+        f"{k.removeprefix('eval/').replace('success_', f'{label}_')} {v:.3f}"
+        for k, v in sorted(ev.items())
+        if "tool" not in k
+    )

@@ -1,0 +1,174 @@
+"""A tool class (TRL's ``environment_factory`` shape: public methods are tools, an instance is one
+trajectory's state) grown into TREES by the real ``tree`` sampler, in every branching mode the
+library supports for it (docs/stateful-tools.md, envs/tool_env.py): ``fork`` and ``snapshot`` when the
+class declares them, else ``replay``. Every node's tool result shows the whole state, so a branch that
+started from the wrong state, or saw a sibling's calls, is caught; a replay that diverges is an error."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from treegrpo import ToolEnv
+from treegrpo.benchmarks.stateful_exact import grow, signature
+from treegrpo.envs.base import Task
+from treegrpo.envs.state import ReplayDivergence, state_mode
+from treegrpo.envs.tool_env import tool_response
+from treegrpo.tree import Tree
+
+OPEN: list[int] = [0]  # live instances (made minus closed): every one is handed back
+
+
+class Words:
+    """A word list, one per trajectory; every result is the whole list (the state, visible)."""
+
+    def __init__(self) -> None:
+        self.words: list[str] = []
+        OPEN[0] += 1
+
+    def reset(self, **row: Any) -> None:
+        self.words = [str(row["start"])]
+
+    def add(self, word: str) -> str:
+        """Append a word.
+
+        Args:
+            word: the word
+        """
+        self.words.append(word)
+        return " ".join(self.words)
+
+    def show(self) -> str:
+        """The words so far."""
+        return " ".join(self.words)
+
+    def close(self) -> None:
+        OPEN[0] -= 1
+
+
+class ForkWords(Words):
+    def fork(self) -> ForkWords:
+        twin = ForkWords()
+        twin.words = list(self.words)
+        return twin
+
+
+class SnapWords(Words):
+    def snapshot(self) -> tuple[str, ...]:
+        return tuple(self.words)
+
+    def restore(self, snap: tuple[str, ...]) -> None:
+        self.words = list(snap)
+
+
+CLASSES = {"fork": ForkWords, "snapshot": SnapWords, "replay": Words}
+TASKS = [Task(f"t{i}", f"Collect words {i}", ["x"], meta={"start": f"s{i}"}) for i in range(6)]
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def policy(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.12:
+        return "<answer> x </answer>"
+    if r < 0.3:
+        return call("show")
+    return call("add", word=f"w{rng.randrange(1000)}")
+
+
+def expected_state(tree: Tree, node_id: int, start: str) -> list[str]:
+    """The words a node's own path added, in order (the state it must have seen), from its texts alone."""
+    words = [start]
+    for nd in tree.path(node_id)[1:]:
+        if nd.observation is not None and '"add"' in nd.text:
+            words.append(json.loads(nd.text.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["word"])
+    return words
+
+
+def grow_trees(mode: str, seed: int) -> tuple[Any, list[Tree]]:
+    env = ToolEnv(environment_factory=CLASSES[mode], rewards=["em"])
+    assert state_mode(env) == mode
+    res = grow(env, TASKS, policy, (1, 2, 1), seed, max_turns=4)
+    return res, [t for f in res.forests for t in f.trees]
+
+
+@pytest.mark.parametrize("mode", sorted(CLASSES))
+def test_each_branch_sees_only_its_own_paths_calls(mode: str) -> None:
+    OPEN[0] = 0
+    branched_inside = 0
+    for seed in range(3):
+        res, trees = grow_trees(mode, seed)
+        for task, tree in zip(TASKS, trees, strict=True):
+            assert len(tree.leaves()) == 3  # (M,N,L) = (1,2,1): the chain and two branches
+            for nd in tree.nodes[1:]:
+                if nd.observation is not None:  # a tool result: the state after this node's own path
+                    assert nd.observation == tool_response(" ".join(expected_state(tree, nd.id, task.meta["start"]))), (mode, nd.id)
+            branched_inside += sum(1 for nd in tree.nodes[1:] if len(tree.children[nd.id]) > 1 and nd.observation is not None)
+        replayed = res.total().replayed_tool_calls
+        assert (replayed > 0) if mode == "replay" else (replayed == 0)  # restored or forked, never replayed
+    assert branched_inside > 0  # some branch started mid-trajectory, from a state a tool call had changed
+    assert OPEN[0] == 0, f"{OPEN[0]} instances never closed"
+
+
+def test_every_mode_grows_the_same_trees() -> None:
+    sigs = {mode: [signature(t) for t in grow_trees(mode, 5)[1]] for mode in CLASSES}
+    assert sigs["fork"] == sigs["snapshot"] == sigs["replay"]
+
+
+class Ticket:
+    """Not deterministic: every call returns a fresh ticket number (shared over instances)."""
+
+    issued = 0
+
+    def take(self) -> str:
+        """Take a ticket."""
+        Ticket.issued += 1
+        return f"ticket {Ticket.issued}"
+
+
+def take_policy(rng: random.Random) -> str:
+    return "<answer> x </answer>" if rng.random() < 0.1 else call("take")
+
+
+def test_a_replay_that_diverges_is_an_error_and_snapshot_needs_none() -> None:
+    """Replay re-runs a path's calls on a fresh instance: a tool that answers otherwise the second time
+    stops the rollout with ReplayDivergence naming both results (docs/stateful-tools.md)."""
+    env = ToolEnv(environment_factory=Ticket, rewards=["em"])
+    assert state_mode(env) == "replay"
+    with pytest.raises(ReplayDivergence, match=r"observation .*ticket \d+.*, replayed .*ticket \d+"):
+        grow(env, TASKS, take_policy, (1, 2, 1), 0, max_turns=4)
+
+    class SnapTicket(Ticket):
+        def snapshot(self) -> int:
+            return 0
+
+        def restore(self, snap: int) -> None:
+            pass
+
+    res = grow(ToolEnv(environment_factory=SnapTicket, rewards=["em"]), TASKS, take_policy, (1, 2, 1), 0, max_turns=4)
+    assert res.total().replayed_tool_calls == 0
+
+
+class KeyedWords(SnapWords):
+    def state_key(self) -> str:
+        return "|".join(self.words)
+
+
+def test_a_class_with_state_key_keys_every_node_and_one_without_keys_none() -> None:
+    """``state_key()`` on the class keys each node's state (GiGPO's state anchors); a class without
+    it keys nothing (it once made every tree raise AttributeError)."""
+    keyed = ToolEnv(environment_factory=KeyedWords, rewards=["em"])
+    res = grow(keyed, TASKS[:2], policy, (1, 2, 1), 0, max_turns=4)
+    for task, tree in zip(TASKS[:2], [t for f in res.forests for t in f.trees], strict=True):
+        assert tree.nodes[0].extra["state_key"] == task.meta["start"]
+        for nd in tree.nodes[1:]:
+            if nd.observation is not None:
+                assert nd.extra["state_key"] == "|".join(expected_state(tree, nd.id, task.meta["start"]))
+    assert ToolEnv(environment_factory=SnapWords, rewards=["em"]).state_key is None
+    res = grow(ToolEnv(environment_factory=SnapWords, rewards=["em"]), TASKS[:2], policy, (1, 2, 1), 0, max_turns=4)
+    assert all("state_key" not in nd.extra for f in res.forests for t in f.trees for nd in t.nodes)
