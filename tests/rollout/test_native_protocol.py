@@ -6,6 +6,7 @@ path's conversation; bad calls are data; a turn ends at the end-of-turn token (n
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,57 @@ def test_bad_calls_get_an_error_result_and_the_run_goes_on(smollm2: Any, turn: s
     (out,) = env.step([TASK], [turn], [True], messages=[[]])
     assert out.kind == "invalid" and not out.done and error in out.info["tool_error"]
     assert out.observation.startswith("\n<|im_start|>tool\nError: ") and out.observation.endswith("<|im_start|>assistant\n")
+
+
+def boom(x: int) -> int:
+    """A tool that fails.
+
+    Args:
+        x: anything
+    """
+    raise ValueError(f"no luck with {x}")
+
+
+def slow(x: int) -> int:
+    """A tool that takes too long.
+
+    Args:
+        x: anything
+    """
+    time.sleep(1.0)
+    return x
+
+
+class ToolThenAnswer(ScriptedEngine):
+    """Calls its one tool until a tool result is in the context, then answers."""
+
+    def generate(self, contexts: Any, params: Any, generator: Any = None) -> list[Generation]:
+        out = []
+        for c in contexts:
+            ids = self.answer_ids if "<|im_start|>tool" in self.tok.decode(c) else self.call_ids
+            out.append(Generation(tokens=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=len(c)))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("tool", "error"), [(boom, "boom raised ValueError: no luck with 7"), (slow, "slow timed out after 0.2 s")]
+)
+def test_a_tool_that_raises_or_times_out_is_an_invalid_action_and_the_run_goes_on(smollm2: Any, tool: Any, error: str) -> None:
+    """The tool's failure is the model's tool result (an error message, rendered by the template),
+    the step is an invalid action in the rollout's budget, and the trajectory goes on to its answer."""
+    tok = templated(smollm2, "chatml-tools")
+    env = ToolEnv([add, tool], rewards=["em"], protocol="tools", tokenizer=tok, timeout_s=0.2)
+    engine = ToolThenAnswer(tok, env, [ToolCall(tool.__name__, {"x": 7})])
+    runner = StepRunner(engine, env, tok, AgentConfig(max_turns=3, max_step_tokens=128, max_context_tokens=4096))  # type: ignore[arg-type]
+    result = get_sampler("chain")(runner, [TASK], SamplerConfig("chain", group_size=1), random.Random(0), torch.Generator().manual_seed(0))
+    ((ti, leaf),) = result.forests[0].leaves()
+    _, step, answer = result.forests[0].trees[ti].path(leaf.id)
+    assert step.extra["kind"] == "invalid" and error in step.extra["tool_error"]
+    assert step.extra["messages"][1] == {"role": "tool", "name": tool.__name__, "content": f"Error: {error}" + ("." if tool is slow else "")}
+    assert step.observation == f"\n<|im_start|>tool\nError: {error}{'.' if tool is slow else ''}<|im_end|>\n<|im_start|>assistant\n"
+    assert answer is leaf and leaf.extra["kind"] == "answer" and leaf.reward == 1.0  # the run went on
+    budget = result.total()
+    assert (budget.invalid_actions, budget.tool_calls, budget.engine_requests) == (1, 1, 2)  # the tool ran: one call
 
 
 def test_a_turn_without_a_call_answers_and_a_cut_turn_ends(smollm2: Any) -> None:
