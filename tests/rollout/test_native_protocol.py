@@ -23,6 +23,7 @@ from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.rollout.templates import BUILTIN_TEMPLATES
 from treegrpo.rollout.toolcall import ToolCall, assistant_message, assistant_turn_text
 from treegrpo.training.warmup import Demo, encode_demo
+from treegrpo.viz.data import forest_budget
 
 
 def add(a: int, b: int) -> int:
@@ -95,6 +96,7 @@ def test_every_path_is_the_templates_rendering_of_its_conversation(smollm2: Any,
         assert sum(n.policy_mask.count(0) for n in path[1:]) == len(path[1].tokens) - len(engine.call_ids)  # the tool turn, masked
     assert mismatches == 0
     assert result.total().tool_calls == 2 * sum(n.extra.get("kind") == "tool" for t in forest.trees for n in t.nodes)  # one per call
+    assert forest_budget(forest)["tool_calls"] == result.total().tool_calls  # the viewer counts them as the budget does
     (params,) = set(engine.requests)
     assert params.stop_strings == () and set(params.stop_token_ids) >= {tok.convert_tokens_to_ids(
         "<|eot_id|>" if name == "llama3.1" else "<|im_end|>")}  # the turn ends at the end-of-turn token
@@ -166,6 +168,7 @@ def test_a_tool_that_raises_or_times_out_is_an_invalid_action_and_the_run_goes_o
     assert answer is leaf and leaf.extra["kind"] == "answer" and leaf.reward == 1.0  # the run went on
     budget = result.total()
     assert (budget.invalid_actions, budget.tool_calls, budget.engine_requests) == (1, 1, 2)  # the tool ran: one call
+    assert forest_budget(result.forests[0])["tool_calls"] == 1  # the viewer counts it too
 
 
 def test_a_turn_without_a_call_answers_and_a_cut_turn_ends(smollm2: Any) -> None:
