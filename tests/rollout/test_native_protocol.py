@@ -6,6 +6,7 @@ path's conversation; bad calls are data; a turn ends at the end-of-turn token (n
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.rollout.templates import BUILTIN_TEMPLATES
 from treegrpo.rollout.toolcall import ToolCall, assistant_message, assistant_turn_text
 from treegrpo.training.warmup import Demo, encode_demo
+from treegrpo.viz.data import forest_budget
 
 
 def add(a: int, b: int) -> int:
@@ -94,6 +96,7 @@ def test_every_path_is_the_templates_rendering_of_its_conversation(smollm2: Any,
         assert sum(n.policy_mask.count(0) for n in path[1:]) == len(path[1].tokens) - len(engine.call_ids)  # the tool turn, masked
     assert mismatches == 0
     assert result.total().tool_calls == 2 * sum(n.extra.get("kind") == "tool" for t in forest.trees for n in t.nodes)  # one per call
+    assert forest_budget(forest)["tool_calls"] == result.total().tool_calls  # the viewer counts them as the budget does
     (params,) = set(engine.requests)
     assert params.stop_strings == () and set(params.stop_token_ids) >= {tok.convert_tokens_to_ids(
         "<|eot_id|>" if name == "llama3.1" else "<|im_end|>")}  # the turn ends at the end-of-turn token
@@ -114,6 +117,58 @@ def test_bad_calls_get_an_error_result_and_the_run_goes_on(smollm2: Any, turn: s
     (out,) = env.step([TASK], [turn], [True], messages=[[]])
     assert out.kind == "invalid" and not out.done and error in out.info["tool_error"]
     assert out.observation.startswith("\n<|im_start|>tool\nError: ") and out.observation.endswith("<|im_start|>assistant\n")
+
+
+def boom(x: int) -> int:
+    """A tool that fails.
+
+    Args:
+        x: anything
+    """
+    raise ValueError(f"no luck with {x}")
+
+
+def slow(x: int) -> int:
+    """A tool that takes too long.
+
+    Args:
+        x: anything
+    """
+    time.sleep(1.0)
+    return x
+
+
+class ToolThenAnswer(ScriptedEngine):
+    """Calls its one tool until a tool result is in the context, then answers."""
+
+    def generate(self, contexts: Any, params: Any, generator: Any = None) -> list[Generation]:
+        out = []
+        for c in contexts:
+            ids = self.answer_ids if "<|im_start|>tool" in self.tok.decode(c) else self.call_ids
+            out.append(Generation(tokens=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=len(c)))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("tool", "error"), [(boom, "boom raised ValueError: no luck with 7"), (slow, "slow timed out after 0.2 s")]
+)
+def test_a_tool_that_raises_or_times_out_is_an_invalid_action_and_the_run_goes_on(smollm2: Any, tool: Any, error: str) -> None:
+    """The tool's failure is the model's tool result (an error message, rendered by the template),
+    the step is an invalid action in the rollout's budget, and the trajectory goes on to its answer."""
+    tok = templated(smollm2, "chatml-tools")
+    env = ToolEnv([add, tool], rewards=["em"], protocol="tools", tokenizer=tok, timeout_s=0.2)
+    engine = ToolThenAnswer(tok, env, [ToolCall(tool.__name__, {"x": 7})])
+    runner = StepRunner(engine, env, tok, AgentConfig(max_turns=3, max_step_tokens=128, max_context_tokens=4096))  # type: ignore[arg-type]
+    result = get_sampler("chain")(runner, [TASK], SamplerConfig("chain", group_size=1), random.Random(0), torch.Generator().manual_seed(0))
+    ((ti, leaf),) = result.forests[0].leaves()
+    _, step, answer = result.forests[0].trees[ti].path(leaf.id)
+    assert step.extra["kind"] == "invalid" and error in step.extra["tool_error"]
+    assert step.extra["messages"][1] == {"role": "tool", "name": tool.__name__, "content": f"Error: {error}" + ("." if tool is slow else "")}
+    assert step.observation == f"\n<|im_start|>tool\nError: {error}{'.' if tool is slow else ''}<|im_end|>\n<|im_start|>assistant\n"
+    assert answer is leaf and leaf.extra["kind"] == "answer" and leaf.reward == 1.0  # the run went on
+    budget = result.total()
+    assert (budget.invalid_actions, budget.tool_calls, budget.engine_requests) == (1, 1, 2)  # the tool ran: one call
+    assert forest_budget(result.forests[0])["tool_calls"] == 1  # the viewer counts it too
 
 
 def test_a_turn_without_a_call_answers_and_a_cut_turn_ends(smollm2: Any) -> None:
@@ -187,3 +242,67 @@ def test_every_estimator_scores_a_native_forest(smollm2: Any) -> None:
             mask = [m for n in forest.trees[ti].path(leaf.id) for m in n.policy_mask]
             assert len(row) == len(mask) and all(a == 0.0 for a, m in zip(row, mask, strict=True) if not m), name
         assert any(a != 0.0 for row in rows for a in row), name
+
+
+def test_gigpo_anchors_native_steps_on_their_tool_results(smollm2: Any) -> None:
+    """GiGPO on a native forest anchors a step on the observation it acts on, the template's
+    rendering of its tool results: three chains call add(2, 3), add(3, 2) and add(1, 1); the first
+    two read the same result "5" and their second steps share an anchor group, the third's (read
+    "2") is alone. The advantages are verl-agent's formula worked by hand (mean_norm, gamma 0.95,
+    step_advantage_w 1): A = (R - mean R) + (G - mean G over the anchor group), G = gamma^(T-d) R."""
+    from treegrpo.algos.advantages import AdvantageConfig, score_forest
+    from treegrpo.algos.gigpo import anchor_values
+
+    tok = templated(smollm2, "chatml-tools")
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=tok)
+    task = Task("q1", "What is 2 + 3?", ["5"], meta={"answer": "5"})
+
+    def turn(msg: dict) -> list[int]:
+        return tok.encode(assistant_turn_text(tok, msg, env.tool_schemas), add_special_tokens=False)
+
+    plays = {(2, 3): "5", (3, 2): "7", (1, 1): "2"}  # each chain's call, and the answer it then gives
+    calls = iter([turn(assistant_message("I add.", [ToolCall("add", {"a": a, "b": b})])) for a, b in plays])
+
+    class Engine:
+        def generate(self, contexts: Any, params: Any, generator: Any = None) -> list[Generation]:
+            out = []
+            for c in contexts:
+                text = tok.decode(c)
+                said = [v for (a, b), v in plays.items() if f'{{"a": {a}, "b": {b}}}' in text]
+                ids = turn({"role": "assistant", "content": said[0]}) if said else next(calls)
+                out.append(Generation(tokens=ids, logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=len(c)))
+            return out
+
+    runner = StepRunner(Engine(), env, tok, AgentConfig(max_turns=3, max_step_tokens=128, max_context_tokens=4096))  # type: ignore[arg-type]
+    result = get_sampler("chain")(runner, [task], SamplerConfig("chain", group_size=3), random.Random(0), torch.Generator().manual_seed(0))
+    (forest,) = result.forests
+    chains = {}
+    for ti, tree in enumerate(forest.trees):
+        _, step, answer = tree.nodes
+        (call,) = step.extra["messages"][0]["tool_calls"]
+        args = call["function"]["arguments"]
+        chains[(args["a"], args["b"])] = (ti, step, answer)
+    assert {k: (s.extra["messages"][1]["content"], a.reward) for k, (_, s, a) in chains.items()} == {
+        (2, 3): ("5", 1.0), (3, 2): ("5", 0.0), (1, 1): ("2", 0.0)}
+    anchors = anchor_values(forest)
+    (ta, sa, aa), (tb, sb, ab), (tc, sc, ac) = chains[(2, 3)], chains[(3, 2)], chains[(1, 1)]
+    assert anchors[(ta, aa.id)] == anchors[(tb, ab.id)] == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert anchors[(tc, ac.id)] == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+    assert sa.text != sb.text  # different calls, the same result: one state
+
+    score_forest(forest, "gigpo", AdvantageConfig())
+    group = {k: forest.trees[t].node(n.id).extra["anchor_group"] for k, (t, _, n) in chains.items()}
+    assert group[(2, 3)] == group[(3, 2)] != group[(1, 1)]
+    assert [n.extra["anchor_size"] for n in (aa, ab, ac)] == [2, 2, 1]
+    assert len({s.extra["anchor_group"] for s in (sa, sb, sc)}) == 1 and sa.extra["anchor_size"] == 3  # the prompt
+    assert sa.extra["anchor_group"] not in (group[(2, 3)], group[(1, 1)])
+    # E over the 6 step rows: mean R = (1 + 1) / 6 = 1/3 (the winning chain's two rows). First steps (group: the prompt): G = 0.95 R,
+    # mean 0.95 / 3. Second steps: G = R; the "5" group's mean (1 + 0) / 2, the "2" group alone: S = 0.
+    e_win, e_lose = 1 - 1 / 3, 0 - 1 / 3
+    want = [
+        (sa, e_win + 0.95 - 0.95 / 3), (sb, e_lose + 0 - 0.95 / 3), (sc, e_lose + 0 - 0.95 / 3),
+        (aa, e_win + 1 - 0.5), (ab, e_lose + 0 - 0.5), (ac, e_lose + 0),
+    ]  # fmt: skip
+    for node, value in want:
+        assert node.advantage == pytest.approx(value, abs=1e-9), node.extra
+    assert (aa.advantage, ab.advantage, ac.advantage) == pytest.approx((7 / 6, -5 / 6, -1 / 3), abs=1e-9)

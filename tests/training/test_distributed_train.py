@@ -277,3 +277,116 @@ def test_two_torchrun_nodes_print_one_summary(tiny_model_dir: Path, tmp_path: Pa
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["rollout/trajectories"] == 12  # one job of 2 ranks
     printed = sorted(o.count("outputs in") + o.count("treegrpo run summary") for o, _ in outs)
     assert printed == [0, 2], [o[-1500:] for o, _ in outs]  # one node prints both, the other neither
+
+
+# -- the model's own tool protocol (ToolEnv protocol="tools") on 2 ranks ---------------------------
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+class NativeEngine:
+    """Writes the model's turns in the chatml-tools template: two add calls in one turn while the
+    context has no tool result yet, then an answer, right and wrong in turn (rewards that differ)."""
+
+    def __init__(self, tok: Any, schemas: list[dict[str, Any]]) -> None:
+        from treegrpo.rollout.toolcall import ToolCall, assistant_message, assistant_turn_text
+
+        def ids(msg: dict[str, Any]) -> list[int]:
+            return tok.encode(assistant_turn_text(tok, msg, schemas), add_special_tokens=False)
+
+        self.tok = tok
+        self.call = ids(assistant_message("I add.", [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 4, "b": 5})]))
+        self.answers = [ids({"role": "assistant", "content": a}) for a in ("5, 9", "7")]
+        self.n = 0
+
+    def generate(self, contexts: Any, params: Any, generator: Any = None) -> list[Any]:
+        from treegrpo.rollout.engine import Generation
+
+        out = []
+        for c in contexts:
+            if "<|im_start|>tool" in self.tok.decode(c):
+                ids, self.n = self.answers[self.n % 2], self.n + 1
+            else:
+                ids = self.call
+            out.append(Generation(tokens=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop", prefill_tokens=len(c)))
+        return out
+
+    def load_weights(self, module: Any) -> None:
+        pass
+
+
+def native_parts(model_dir: Path) -> tuple[Any, NativeEngine]:
+    """The run's pieces for the native protocol on the 2-layer SmolLM2, and its scripted engine."""
+    from templating import templated
+    from treegrpo.envs.base import Task
+    from treegrpo.envs.tool_env import ToolEnv
+    from treegrpo.models.loader import load_tokenizer
+    from treegrpo.rollout.agent import AgentConfig
+    from treegrpo.training.setup import RunParts
+
+    tok = templated(load_tokenizer(model_dir), "chatml-tools")
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=tok)
+    tasks = [Task(f"q{i}", f"What is 2 + 3, and 4 + 5? ({i})", ["5, 9"], meta={"answer": "5, 9"}) for i in range(5)]
+    parts = RunParts(
+        model_dir=model_dir, model=load_model(model_dir), tokenizer=tok, env=env, train_tasks=tasks[:4],
+        eval_tasks=tasks[4:], agent_cfg=AgentConfig(max_turns=3, max_step_tokens=96, max_context_tokens=1024),
+        extra_files={}, info={},
+    )  # fmt: skip
+    return parts, NativeEngine(tok, env.tool_schemas)
+
+
+def _native_rank(rank: int, world: int, port: int, model_dir: str, kw: dict[str, Any]) -> None:
+    from treegrpo.training import trainer as trainer_module
+
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    torch.set_num_threads(1)
+    parts, engine = native_parts(Path(model_dir))
+    trainer_module.make_engine = lambda *a, **k: engine  # this rank's process only
+    train(small_cfg(Path(kw.pop("out")), **kw), parts=parts)
+
+
+def test_two_ranks_train_on_native_forests(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """Data-parallel training on forests of the model's own tool protocol: rank 0 writes the
+    files, all ranks' forests (native tool turns: two calls, their results as tool turns) are in
+    the metrics and the written rollouts, the checkpoint holds both ranks' streams, and its
+    weights and optimizer state are what one process trained on the same forests."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "native"
+    kw = {**RESUME, "out": str(out), "steps": 1, "entropy_coef": 0.01}
+    mp.spawn(_native_rank, args=(2, _free_port(), str(smollm2_2layer_dir), kw), nprocs=2, join=True)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["rollout/trajectories"] == 3 * 2 * 2  # all ranks' forests: 3 prompts (2 + 1)
+    forests = read_forests(out / "rollouts" / "step_00001.jsonl")
+    assert len(forests) == 3
+    calls = [n for f in forests for t in f.trees for n in t.nodes if n.parent == t.root.id]  # every first turn
+    for step in calls:
+        assert step.extra["kind"] == "tool" and [m["content"] for m in step.extra["messages"][1:]] == ["5", "9"]
+        assert step.observation == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>tool\n9<|im_end|>\n<|im_start|>assistant\n"
+    assert rows[1]["budget/tool_calls"] == 2 * len(calls) >= 2 * 3 * 2  # all ranks' calls: two a turn, 2+ turns a tree
+    assert sorted({leaf.reward for f in forests for _, leaf in f.leaves()}) == [0.0, 1.0]
+    ck = read_checkpoint(out / "checkpoint")
+    assert len(ck.run.rank_streams) == 2 and not ck.run.rank_streams[1]["gen"].equal(ck.run.gen.get_state())
+    # the values: one uninterrupted process trained on the same forests
+    cfg = TrainConfig.model_validate(json.loads((out / "config.json").read_text()))
+    parts, _ = native_parts(smollm2_2layer_dir)
+    start = {k: v.detach().clone() for k, v in parts.model.state_dict().items()}
+    policy = Policy.build(parts.model, cfg)
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=float(cfg.lr), weight_decay=cfg.weight_decay)
+    advs = [token_advantages(f, cfg.estimator, advantage_config(cfg)) for f in forests]
+    set_lr(opt, lr_at(1, float(cfg.lr), cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+    update(policy, opt, forests, advs, cfg, loss_config(cfg), parts.tokenizer.pad_token_id)
+    want = ({k: v.detach().clone() for k, v in policy.model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    assert max(float((want[0][k] - start[k]).abs().max()) for k in start) > 0.0  # the step did something
+    assert_same_training_state(_saved(out), want)

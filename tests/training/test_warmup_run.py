@@ -35,6 +35,7 @@ from treegrpo.training.warmup import (
     supervised_warmup,
 )
 from treegrpo.training.warmup_run import WarmupRun, run_warmup
+from treegrpo.tree import read_forests
 
 ARTICLES = [
     ("Mount Kilimanjaro", "Mount Kilimanjaro is a large dormant volcano in Tanzania. It has three cones."),
@@ -190,3 +191,77 @@ def test_progress_lines_leave_the_warmup_unchanged(tiny_model_dir: Path) -> None
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     with pytest.raises(ValueError, match="say_every"):
         supervised_warmup(model, encoded, cfg, 0, random.Random(1), say=said.append, say_every=0)
+
+
+# -- the search task in the model's own protocol (--protocol tools: search(query) as a tool) -------
+
+
+def test_native_search_demos_encode_as_the_loop_holds_them(smollm2_2layer_dir: Path) -> None:
+    """The search demos written in the native protocol (a ToolEnv of search_tool over the same
+    retriever): every turn ends with the end-of-turn token, the search result is a tool turn the
+    template renders, and a demo's ids are the template's rendering of its conversation."""
+    from templating import templated
+    from treegrpo.envs.tool_env import ToolEnv
+    from treegrpo.rollout.toolcall import ToolCall, assistant_message, assistant_turn_text
+    from treegrpo.tasks.datafile import search_tool
+
+    tok = templated(load_pretrained(smollm2_2layer_dir).tokenizer, "chatml-tools")
+    docs = [Doc(str(i), f"{t}\n{s}") for i, (t, s) in enumerate(ARTICLES)]
+    env = ToolEnv([search_tool(BM25Retriever(docs), 1)], rewards=["em"], protocol="tools", tokenizer=tok)
+    tasks = [Task(str(i), make_question(t, s) or "", [t]) for i, (t, s) in enumerate(ARTICLES[:3])]
+    tasks.append(Task("x", "zzz qqq", ["Nowhere Land"]))  # its search does not find its answer: no demo
+    demos = search_demos(tasks, env)
+    assert [d.task.id for d in demos] == ["0", "1", "2"]
+    runner = StepRunner(None, env, tok, AgentConfig(max_step_tokens=128, max_context_tokens=2048))  # type: ignore[arg-type]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for demo in demos:
+        (call, obs), (final, none) = demo.steps
+        query = tasks[int(demo.task.id)].question.split('"')[1].strip()
+        msg = assistant_message("", [ToolCall("search", {"query": query})])
+        assert call == assistant_turn_text(tok, msg, env.tool_schemas) and call.endswith("<|im_end|>")
+        assert final == assistant_turn_text(tok, {"role": "assistant", "content": demo.task.answers[0]}, env.tool_schemas)
+        assert none is None and final.endswith("<|im_end|>")
+        (passage,) = [d.contents.strip() for d in docs if d.contents.startswith(demo.task.answers[0])]
+        result = f"Doc 1(Title: {demo.task.answers[0]}) {passage.split(chr(10), 1)[1]}"
+        assert obs == f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"  # the template's tool turn
+        enc = encode_demo(runner, demo)
+        messages = [{"role": "user", "content": env.prompt(demo.task)}, msg,
+                    {"role": "tool", "name": "search", "content": result}, {"role": "assistant", "content": demo.task.answers[0]}]
+        rendered = tok.apply_chat_template(messages, tools=env.tool_schemas, tokenize=False)
+        assert enc.ids == tok.encode(rendered, add_special_tokens=False)
+        trained = [t for t, m in zip(enc.ids, enc.policy_mask, strict=True) if m]
+        assert trained.count(eot) == 2 and trained[-1] == eot  # both turns end by themselves, trained on
+        assert tok.decode(trained).count("<tool_call>") == 1 and result not in tok.decode(trained)  # the result is masked
+
+
+def test_native_search_warmup_then_one_training_step(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """`treegrpo warmup --protocol tools` on the search task, then one `treegrpo train` step on it
+    in the same protocol, on the 2-layer SmolLM2 (tiny settings)."""
+    corpus, data = _files(tmp_path)
+    small = ["--set", "eval_sampled=false", "--set", "max_step_tokens=64", "--set", "max_turns=2", "--set", "threads=1"]
+    native = ["--protocol", "tools", "--chat-template", "chatml-tools"]
+    warm = tmp_path / "warm"
+    res = CliRunner().invoke(
+        app, ["warmup", "--model", str(smollm2_2layer_dir), "--data", str(data), "--corpus", str(corpus), "--out", str(warm),
+              "--n-demos", "4", "--eval-prompts", "1", *native, *small],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    record = json.loads((warm / "treegrpo_warmup.json").read_text())
+    assert record["demos"] >= 3 and record["sft"]["steps"] >= 1 and record["demos_over_step_cap"] == 0
+    assert "eval/well_formed_greedy" in record["eval_after"]
+    assert "<tool_call>" in load_pretrained(warm).tokenizer.chat_template  # the template saved with the model
+    run = tmp_path / "run"
+    res = CliRunner().invoke(
+        app, ["train", "--model", str(warm), "--data", str(data), "--corpus", str(corpus), "--sampler", "chain",
+              "--group-size", "2", "--steps", "1", "--prompts-per-step", "1", "--out-dir", str(run), "--protocol", "tools",
+              "--set", "eval_prompts=1", "--set", "dump_rollouts_every=1", *small],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "config.json").read_text())["protocol"] == "tools"
+    (forest,) = read_forests(run / "rollouts" / "step_00001.jsonl")
+    root = forest.trees[0].root
+    prompt = load_pretrained(warm).tokenizer.decode(root.tokens)
+    assert '<tools>\n{"type": "function", "function": {"name": "search"' in prompt  # the template's tools section
+    assert "<search>" not in prompt and prompt.endswith(root.text + "<|im_end|>\n<|im_start|>assistant\n")
+    steps = [n for t in forest.trees for n in t.nodes if n.parent is not None]
+    assert len(forest.trees) == 2 and steps and all(n.extra["kind"] in ("tool", "answer", "invalid") for n in steps)

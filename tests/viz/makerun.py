@@ -38,6 +38,43 @@ def known_forest() -> Forest:
     return Forest("known-1", [t0, t1], {"question": "who wrote X?", "answers": ["Y"]})
 
 
+def _native_step(calls: list[tuple[str, dict]], results: list[tuple[str, str]], **extra: object) -> dict:
+    """A native-protocol step's ``extra`` as :class:`~treegrpo.envs.tool_env.ToolEnv` records it."""
+    assistant = {"role": "assistant", "content": "I add.",
+                 "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
+    tools = [{"role": "tool", "name": n, "content": c} for n, c in results]
+    return {"turn": 1, "finish_reason": "stop", "messages": [assistant, *tools], "tool": calls[0][0], **extra}
+
+
+def native_forest() -> Forest:
+    """One tree in the model's own tool protocol (chatml-tools): root → two calls of add (1, both
+    ran) → answer (2, reward 1); root → a call of boom that raised (3, invalid, it ran) → answer
+    (4, reward 0); root → a call of mul, no such tool (5, invalid, nothing ran) → answer (6)."""
+    def obs(*contents: str) -> str:
+        return "".join(f"\n<|im_start|>tool\n{c}<|im_end|>" for c in contents) + "\n<|im_start|>assistant\n"
+
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call><|im_end|>'
+    nodes = [Node(0, None, text="What is 2 + 3, and 4 + 5?", tokens=[1, 2, 3], policy_mask=[0, 0, 0])]
+    steps = [
+        (_native_step([("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})], [("add", "5"), ("add", "9")],
+                      kind="tool", tool_calls_ran=2), obs("5", "9"), "5, 9", 1.0),
+        (_native_step([("boom", {"x": 7})], [("boom", "Error: boom raised ValueError: no luck with 7")], kind="invalid",
+                      tool_calls_ran=1, tool_error="boom raised ValueError: no luck with 7"),
+         obs("Error: boom raised ValueError: no luck with 7"), "7", 0.0),
+        (_native_step([("mul", {"a": 2})], [("mul", "Error: there is no tool 'mul' (tools: add, boom).")], kind="invalid",
+                      tool_calls_ran=0, tool_error="there is no tool 'mul' (tools: add, boom)"),
+         obs("Error: there is no tool 'mul' (tools: add, boom)."), "10", 0.0),
+    ]  # fmt: skip
+    for extra, observation, answer, reward in steps:
+        step_id, args = len(nodes), json.dumps(extra["messages"][0]["tool_calls"][0]["function"]["arguments"])  # type: ignore[index]
+        nodes.append(Node(step_id, 0, text="I add.\n" + call % (extra["tool"], args), observation=observation,
+                          tokens=[4, 5, 6, 7], policy_mask=[1, 1, 0, 0], logprobs=[-0.5, -0.5, 0.0, 0.0], extra=extra))
+        nodes.append(Node(step_id + 1, step_id, text=answer + "<|im_end|>", tokens=[8], policy_mask=[1], logprobs=[-0.1],
+                          reward=reward, extra={"kind": "answer", "turn": 2, "finish_reason": "stop", "answer": answer,
+                                                "messages": [{"role": "assistant", "content": answer}]}))
+    return Forest("native-1", [Tree(nodes)], {"question": "What is 2 + 3, and 4 + 5?", "answers": ["5, 9"]})
+
+
 def random_forest(rng: random.Random, pid: str, trees: int = 4, expansions: int = 4) -> Forest:
     """An agent forest of ``trees`` chains of 1-3 steps, each grown by ``expansions`` branches."""
     out = []

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from makerun import EVIL, known_forest, make_run
+from makerun import EVIL, known_forest, make_run, native_forest
 
 from _optional import require, require_package
 from treegrpo.tree import write_forests
@@ -93,6 +93,35 @@ def test_known_forest_click_shows_the_node(page: Any, tmp_path: Path) -> None:
     assert page.inner_text("#node-obs") == "<information>Doc 1(Title: X) by Y</information>"
     assert "tool call\tyes (author of X)" in page.inner_text("#detail")
     assert page.locator("#detail .strip").count() == 2
+    assert page.errors == []
+
+
+def test_native_tool_steps_show_their_calls_and_results(page: Any, tmp_path: Path) -> None:
+    """The model's own protocol: a tool step is labelled T with its tools' names beside it, counted
+    in the budget line, and its calls and the results the model read are in the detail pane."""
+    src = tmp_path / "native.jsonl"
+    write_forests([native_forest()], src)
+    html, _ = write_view(src)
+    open_view(page, html)
+    labels = page.eval_on_selector_all("#canvas g.node > text:not(.lbl):not(.tlbl)", "els => els.map(e => e.textContent)")
+    assert labels == ["Q", "T", "A", "!", "A", "!", "A"]
+    assert page.eval_on_selector_all("#canvas text.tlbl", "els => els.map(e => e.textContent)") == ["add,add", "boom", "mul"]
+    assert "tool calls 3" in page.inner_text("#budget") and "T tool call" in page.inner_text("#legend")
+    assert "null" not in page.inner_text("#legend")  # no anchor groups: no anchor legend (it printed "null")
+    node(page, 0, 1).click()
+    detail = page.inner_text("#detail")
+    assert "tool calls\tadd, add (2 ran)" in detail
+    assert page.inner_text("#node-calls") == 'add({"a":2,"b":3})\nadd({"a":4,"b":5})'
+    assert page.inner_text("#node-results") == "add → 5\nadd → 9"
+    node(page, 0, 3).click()
+    assert "tool calls\tboom (1 ran)" in page.inner_text("#detail")
+    assert "tool error\tboom raised ValueError: no luck with 7" in page.inner_text("#detail")
+    assert page.inner_text("#node-results") == "boom → Error: boom raised ValueError: no luck with 7"
+    node(page, 0, 2).click()  # an answer: no tool sections
+    assert page.locator("#node-calls, #node-results").count() == 0
+    shot = tmp_path / "viewer_native_forest.png"
+    page.screenshot(path=str(shot))
+    artifact(shot)
     assert page.errors == []
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from makerun import EVIL, known_forest, make_run
+from makerun import EVIL, known_forest, make_run, native_forest
 from typer.testing import CliRunner
 
 from treegrpo.cli import app
@@ -39,6 +39,17 @@ def test_known_forest_budget_line() -> None:
     # policy tokens 2 + 2 + 1 (tree 0) + 2 (tree 1); one search answered with an observation;
     # context read per step: node 1: 3, node 2: 3 + 4, node 3: 3, tree 1 node 1: 3
     assert b == {"trajectories": 3, "generated_tokens": 7, "tool_calls": 1, "context_tokens": 16, "recorded": False}
+
+
+def test_native_tool_calls_are_counted() -> None:
+    """The model's own protocol (ToolEnv protocol="tools"): a step's calls that ran are tool calls
+    (two adds; boom ran and raised; mul is no tool and never ran), as the rollout's budget counts them."""
+    f = native_forest()
+    assert forest_budget(f)["tool_calls"] == 2 + 1 + 0
+    del f.trees[0].node(1).extra["tool_calls_ran"]  # a forest written before the env recorded it
+    assert forest_budget(f)["tool_calls"] == 3  # a tool step had no error: each of its calls ran
+    f.trees[0].node(1).extra["refused"] = True  # the last turn's calls are refused, never run
+    assert forest_budget(f)["tool_calls"] == 1
 
 
 def test_recorded_budget_wins() -> None:

@@ -27,6 +27,11 @@ parser, Hermes/Qwen ``<tool_call>`` JSON, Llama 3.1 JSON) and run in order; the 
 each cut to ``max_result_tokens``. A turn without a call is the final answer (its content); a turn
 cut off before its end-of-turn token ends the trajectory.
 
+A step that reached the tools records its ``messages`` (the assistant turn with its
+``tool_calls``, then one ``role: "tool"`` result per call) and ``tool_calls_ran``, the calls that
+ran (an unknown tool or arguments that do not fit its schema never run; a tool that raised or
+timed out did), in its node's ``extra``: the viewer labels and counts tool calls from them.
+
 A tool class makes the env stateful: one instance per trajectory (:meth:`ToolEnv.initial_state`,
 ``reset(**row)`` called on it), branched by its ``fork()`` or ``snapshot()``/``restore()`` when it
 has them, else by replaying the path's steps (:mod:`treegrpo.envs.state`); a ``get_reward()``
@@ -370,7 +375,7 @@ class ToolEnv:
             else:
                 result = tool.call(args, self.timeout_s)
         msgs = [call_message(thought, calls), {"role": "tool", "name": result.name, "content": result.content}]
-        info: dict[str, Any] = {"messages": msgs}
+        info: dict[str, Any] = {"messages": msgs, "tool_calls_ran": int(result.ran)}
         if calls:
             info["tool"] = calls[0][0]
         if result.error:
@@ -413,7 +418,7 @@ class ToolEnv:
             if isinstance(c, ToolCall) and c.id is not None:
                 res["tool_call_id"] = c.id
             results.append(res)
-        info: dict[str, Any] = {"messages": [assistant_message(content, calls), *results]}
+        info: dict[str, Any] = {"messages": [assistant_message(content, calls), *results], "tool_calls_ran": ran}
         if calls:
             info["tool"] = calls[0].name
         if errors:

@@ -40,9 +40,23 @@ def _round(xs: list[float]) -> list[float]:
     return [round(float(x), _DIGITS) for x in xs]
 
 
-def _is_tool_call(node: Node) -> bool:
-    """A search that reached the retriever: the env replied with an observation (DESIGN.md §3.4)."""
-    return node.extra.get("kind") == "search" and node.observation is not None and not node.extra.get("refused")
+def _tool_calls(node: Node) -> int:
+    """The tool calls a step made that reached their tool (DESIGN.md §3.4; the env replied with an
+    observation): a search (Search-R1's tags), or a :class:`~treegrpo.envs.tool_env.ToolEnv` step's
+    calls that ran (tag or native protocol: ``tool_calls_ran``; in a forest written before the env
+    recorded it, every call of a ``tool`` step, which had no error, so each of its calls ran)."""
+    x = node.extra
+    if node.observation is None or x.get("refused"):
+        return 0
+    if x.get("kind") == "search":
+        return 1
+    ran = x.get("tool_calls_ran")
+    if isinstance(ran, int) and not isinstance(ran, bool):
+        return ran
+    messages = x.get("messages")
+    if x.get("kind") == "tool" and isinstance(messages, list):
+        return sum(isinstance(m, dict) and m.get("role") == "tool" for m in messages)
+    return 0
 
 
 def _generation_starts(tree: Tree) -> list[Node]:
@@ -67,13 +81,13 @@ def forest_budget(forest: Forest) -> dict[str, Any]:
     :class:`~treegrpo.rollout.agent.Budget` fields) is shown as recorded (``"recorded": True``).
     Otherwise the figures are counted from the nodes: generated tokens (policy tokens; exact, a
     node holds every id its request generated), tool calls (searches answered with an
-    observation; exact) and ``context_tokens``, the context every request read — the prefill
+    observation, a tool env's calls that ran: :func:`_tool_calls`; exact) and ``context_tokens``, the context every request read — the prefill
     cost *without* prefix reuse, an upper bound on the engine's prefill count.
     """
     rec = forest.extra.get("budget")
     out: dict[str, Any] = {"trajectories": forest.n_trajectories()}
     generated = sum(n.n_policy_tokens for t in forest.trees for n in t.nodes if n.parent is not None)
-    tools = sum(_is_tool_call(n) for t in forest.trees for n in t.nodes)
+    tools = sum(_tool_calls(n) for t in forest.trees for n in t.nodes)
     context = sum(len(t.context(n.parent)) for t in forest.trees for n in _generation_starts(t) if n.parent is not None)
     if isinstance(rec, dict) and "generated_tokens" in rec:
         out.update({k: v for k, v in rec.items() if isinstance(v, (int, float))})

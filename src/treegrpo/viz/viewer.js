@@ -151,8 +151,8 @@
     $("legend").replaceChildren(
       el("span", {}, "● node: advantage ", fmt(-m, 2), g1, fmt(m, 2), " (white: not scored)"),
       el("span", {}, "■ leaf: reward ", fmt(lo, 1), g2, fmt(hi, 1), " (ring: advantage)"),
-      tokenTree ? el("span", {}, "token segments; number = round; dashed ring = fork point") : el("span", {}, "S search · A answer · ! invalid"),
-      anchors ? el("span", { id: "anchor-legend" }, "◯ coloured ring + g#: GiGPO anchor group (steps from one state; " + anchors + " shared); click a node to mark its group") : null);
+      tokenTree ? el("span", {}, "token segments; number = round; dashed ring = fork point") : el("span", {}, "S search · T tool call (tool names under it) · A answer · ! invalid"),
+      ...(anchors ? [el("span", { id: "anchor-legend" }, "◯ coloured ring + g#: GiGPO anchor group (steps from one state; " + anchors + " shared); click a node to mark its group")] : []));
   }
 
   // -- drawing one forest -----------------------------------------------------------------------------
@@ -183,8 +183,28 @@
     if (n.parent === null || n.parent === undefined) return "Q";
     const x = n.extra || {};
     if (tokenTree && x.round !== undefined) return String(x.round);
-    return { search: "S", answer: "A", invalid: "!", overflow: "…" }[x.kind] || "";
+    return { search: "S", tool: "T", answer: "A", invalid: "!", overflow: "…" }[x.kind] || "";
   }
+
+  // A tool env's step (tag or native protocol) records its messages: the assistant turn with its
+  // tool_calls, then one role "tool" message per call with the result the model read.
+  function toolCalls(n) {
+    const msgs = (n.extra || {}).messages;
+    const calls = [], results = [];
+    if (!Array.isArray(msgs)) return { calls, results };
+    const text = (v) => (typeof v === "string" ? v : JSON.stringify(v === undefined ? null : v));
+    for (const m of msgs) {
+      if (!m || typeof m !== "object") continue;
+      if (m.role === "assistant" && Array.isArray(m.tool_calls)) {
+        for (const c of m.tool_calls) {
+          const f = (c && typeof c.function === "object" && c.function) || c || {};
+          calls.push({ name: String(f.name === undefined ? "?" : f.name), args: text(f.arguments === undefined ? {} : f.arguments) });
+        }
+      } else if (m.role === "tool") results.push({ name: String(m.name || "tool"), content: text(m.content) });
+    }
+    return { calls, results };
+  }
+  const toolNames = (n) => toolCalls(n).calls.map((c) => c.name).join(",");
 
   function drawForest() {
     const doc = forestDoc(state.forest);
@@ -244,13 +264,19 @@
         const t = sv("text", { x, y, fill: isRoot ? "#fff" : "#222" });
         t.textContent = nodeLabel(n, tokenTree);
         ng.append(t);
+        const names = isRoot ? "" : toolNames(n);
+        if (names) {
+          const tl = sv("text", { x, y: y + R + (leaf ? 18 : 9), class: "tlbl" }); // below, under a leaf's reward
+          tl.textContent = names.length > 9 ? names.slice(0, 8) + "…" : names;
+          ng.append(tl);
+        }
         if (leaf) {
           const lb = sv("text", { x, y: y + R + 9, class: "lbl" });
           lb.textContent = fmt(n.reward, 2);
           ng.append(lb);
         }
         const tip = sv("title");
-        tip.textContent = "node " + n.id + (n.advantage !== undefined ? " · A " + fmt(n.advantage) : "") + (n.reward !== undefined ? " · r " + fmt(n.reward, 2) : "") + (ag !== undefined ? " · anchor g" + ag : "");
+        tip.textContent = "node " + n.id + (n.advantage !== undefined ? " · A " + fmt(n.advantage) : "") + (n.reward !== undefined ? " · r " + fmt(n.reward, 2) : "") + (ag !== undefined ? " · anchor g" + ag : "") + (names ? " · tools " + names : "");
         ng.append(tip);
         ng.addEventListener("click", () => selectNode(ti, n.id));
         ng.addEventListener("keydown", (e) => { if (e.key === "Enter") selectNode(ti, n.id); });
@@ -293,6 +319,7 @@
     const peers = ag === undefined ? [] : document.querySelectorAll('#canvas g.node[data-anchor="' + ag + '"]');
     for (const e of peers) e.classList.add("anchor-on");
     const x = n.extra || {};
+    const tc = toolCalls(n);
     const isRoot = n.parent === null || n.parent === undefined;
     const kids = tree.nodes.filter((k) => k.parent === id).length;
     const context = path.slice(0, -1).reduce((s, p) => s + p.n_tokens, 0);
@@ -303,10 +330,15 @@
       ["depth", n.depth], ["children", kids || (isRoot ? 0 : "leaf")],
       ["anchor group", ag === undefined ? undefined : "g" + ag + " · " + (x.anchor_size || peers.length) + " step" + ((x.anchor_size || peers.length) === 1 ? "" : "s") + " from this state"],
       ["tool call", x.kind === "search" && n.observation !== undefined && !x.refused ? "yes (" + (x.query || "") + ")" : undefined],
+      ["tool calls", tc.calls.length ? tc.calls.map((c) => c.name).join(", ") + (x.refused ? " (refused: the last turn)"
+        : x.tool_calls_ran !== undefined ? " (" + x.tool_calls_ran + " ran)" : "") : undefined],
+      ["tool error", x.tool_error],
     ].filter((r) => r[1] !== undefined && r[1] !== null);
     const table = el("table", {}, ...rows.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, String(v)))));
     const out = [el("h2", {}, "tree " + ti + " · node " + id), table];
     out.push(el("h3", {}, isRoot ? "Prompt" : "Text"), n.text ? el("pre", { id: "node-text" }, n.text) : el("p", { class: "empty", id: "node-text" }, "(no text)"));
+    if (tc.calls.length) out.push(el("h3", {}, "Tool calls"), el("pre", { id: "node-calls" }, tc.calls.map((c) => c.name + "(" + c.args + ")").join("\n")));
+    if (tc.results.length) out.push(el("h3", {}, "Tool results"), el("pre", { id: "node-results" }, tc.results.map((r) => r.name + " → " + r.content).join("\n")));
     if (n.observation !== undefined) out.push(el("h3", {}, "Observation"), el("pre", { id: "node-obs" }, n.observation));
     if (n.logprobs && n.logprobs.length) {
       const mean = n.logprobs.reduce((a, b) => a + b, 0) / n.logprobs.length;
@@ -318,7 +350,7 @@
       out.push(el("h3", {}, "Entropy per policy token"), strip(n.entropy, (v) => entColor(v, em), "entropy"),
         el("div", { class: "stat" }, "mean " + fmt(n.entropy.reduce((a, b) => a + b, 0) / n.entropy.length) + " · max " + fmt(em)));
     }
-    const known = new Set(["kind", "turn", "round", "finish_reason", "query", "anchor_group", "anchor_size"]);
+    const known = new Set(["kind", "turn", "round", "finish_reason", "query", "anchor_group", "anchor_size", "tool", "tool_calls_ran", "tool_error"]);
     const rest = Object.entries(x).filter(([k]) => !known.has(k));
     if (rest.length) out.push(el("h3", {}, "Other fields"), el("table", {}, ...rest.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, typeof v === "string" ? v : JSON.stringify(v))))));
     if (path.length > 1) {
