@@ -308,3 +308,56 @@ def test_smollm2_greedy_and_stops_match_hf(smol) -> None:
         (a,), (b,) = engine.generate([ctx], params), hf.generate([ctx], params)
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason == "stop"
         assert len(a.tokens) <= k + 2 and (text in tok.decode(a.tokens) or a.tokens[-1] == free.tokens[k])
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def test_native_tool_protocol_tree_is_the_same_forest_as_hf(smol) -> None:
+    """A Tree-GRPO (1,2,1) rollout in the native tool protocol (ToolEnv ``protocol="tools"`` on the
+    chatml-tools template): greedy, the vLLM engine grows the same forest as the HF engine — the
+    same ids, masks and finish reasons, log-probs within float noise — with turns that end at the
+    end-of-turn token and no stop strings."""
+    import random
+
+    from templating import templated
+    from treegrpo.envs.base import Task
+    from treegrpo.envs.tool_env import ToolEnv
+    from treegrpo.rollout.agent import AgentConfig, StepRunner
+    from treegrpo.rollout.samplers import SamplerConfig, get_sampler
+
+    model, tok, engine = smol
+    ttok = templated(tok, "chatml-tools")
+    env = ToolEnv([add], rewards=["em"], protocol="tools", tokenizer=ttok)
+    task = Task("q0", "What is 2 + 3? Use the add tool.", ["5"], meta={"answer": "5"})
+    cfg = AgentConfig(max_turns=2, max_step_tokens=24, max_context_tokens=480, temperature=0.0)
+    forests = []
+    for eng in (engine, make_engine("hf", model, tok)):
+        seen: list[SamplingParams] = []
+
+        class Spy:  # records the sampling parameters the loop asks for
+            def generate(self, contexts, params, generator=None, _eng=eng, _seen=seen):  # type: ignore[no-untyped-def]
+                _seen.append(params)
+                return _eng.generate(contexts, params, generator)
+
+        runner = StepRunner(Spy(), env, ttok, cfg)  # type: ignore[arg-type]
+        res = get_sampler("tree")(runner, [task], SamplerConfig("tree", m=1, n=2, l=1), random.Random(0), torch.Generator().manual_seed(0))
+        im_end = ttok.convert_tokens_to_ids("<|im_end|>")
+        assert all(p.stop_strings == () and im_end in p.stop_token_ids for p in seen)
+        forests.append(res.forests[0])
+    (a, b) = forests
+    nodes_a = [n for t in a.trees for n in t.nodes]
+    nodes_b = [n for t in b.trees for n in t.nodes]
+    assert [(n.tokens, n.policy_mask, n.extra.get("finish_reason")) for n in nodes_a] == [
+        (n.tokens, n.policy_mask, n.extra.get("finish_reason")) for n in nodes_b
+    ]
+    for x, y in zip(nodes_a, nodes_b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs or []), torch.tensor(y.logprobs or []), atol=TOL, rtol=0)
+    assert len(a.leaves()) >= 2 and all(n.extra.get("finish_reason") in ("eos", "stop", "length") for n in nodes_a[1:])
