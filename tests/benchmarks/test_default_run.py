@@ -165,9 +165,9 @@ def test_cli_refuses_bad_options_with_one_line() -> None:
 
 
 def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() -> None:
-    """``benchmarks/results/default_run.json``: every spread holds every seed on every kernel set,
-    each run's curve runs from its start to its end, the summary is the rows' own; the headline
-    spread was run with today's defaults (the train config and the default world's bootstrap
+    """``benchmarks/results/default_run.json``: every spread holds >= 2 seeds per kernel set, each
+    run's curve runs from its start to its end, the summary is the rows' own; the headline spread
+    holds >= 5 seeds on each of >= 2 kernel sets, was run from committed code with today's defaults (the train config and the default world's bootstrap
     recipe), each kernel set bootstrapped its own agent, and it meets issue 34's bar: every run
     ends at held-out sampled success >= 0.8, all within 0.1."""
     from treegrpo.tasks.world.bootstrap import BootstrapConfig
@@ -180,9 +180,10 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
         rows = sp["rows"]
         kernels = list(dict.fromkeys(r["kernels"] for r in rows))  # in the rows' order: the CPU's own first
         per = {k: [r["seed"] for r in rows if r["kernels"] == k] for k in kernels}
-        assert len(per[kernels[0]]) >= 5 and len(kernels) >= 2 and all(len(v) >= 2 for v in per.values()), label
+        assert all(len(v) >= 2 for v in per.values()), label
         assert all(v == sorted(set(v)) for v in per.values()) and len({r["torch_kernels"] for r in rows}) == len(kernels)
-        if label == doc["headline"]:  # today's default: every seed on every kernel set
+        if label == doc["headline"]:  # today's default: >= 5 seeds on every one of >= 2 kernel sets
+            assert len(per[kernels[0]]) >= 5 and len(kernels) >= 2, label
             assert all(v == per[kernels[0]] for v in per.values()), label
         for r in rows:
             assert r["curve"][0] == [0, *(r["start"][k] for k in dr.EVAL_KEYS)], (label, r["seed"])
@@ -193,7 +194,10 @@ def test_the_committed_spreads_are_whole_and_the_headline_is_todays_default() ->
                     ok, n = (sum(x) for x in zip(*r["by_chain"][when][mode].values(), strict=True))
                     assert n == sp["config"]["eval_prompts"] and ok / n == r[when][mode], (label, r["seed"], when)
         assert sp["summary"] == dr.summarize(rows), label
-        assert sp["provenance"]["commit"] and sp["provenance"]["dirty"] is False, label
+        # the headline ran committed code; another spread may run a deliberately changed source
+        # (the 'before' one: today's code with the old bootstrap setting), which its 'about' names
+        assert sp["provenance"]["commit"] and (sp["provenance"]["dirty"] is False or label != doc["headline"]), label
+        assert sp["provenance"]["dirty"] is False or "p_shortcut" in sp["about"], label
         assert sp["provenance"]["cpu"] and sp["provenance"]["torch_threads"] == sp["config"]["threads"] == 1, label
         for k in kernels:  # each kernel set's first run bootstrapped its own agent, the others reused it
             built = [r["seed"] for r in rows if r["kernels"] == k and r["bootstrap"]["built_by_this_run"]]

@@ -407,8 +407,9 @@ def plot_spreads(doc: dict[str, Any], png: Path) -> None:
         for r in sp["rows"]:
             steps, sampled = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]]
             ax.plot(steps, sampled, color=f"C{kernels.index(r['kernels'])}", alpha=0.7, marker=".")
-        for i, k in enumerate(kernels):
-            ax.plot([], [], color=f"C{i}", label=f"{k} kernels")
+        for i, k in enumerate(kernels):  # "native" is the measuring CPU's own set: name it
+            ran = sorted({str(r["torch_kernels"]) for r in sp["rows"] if r["kernels"] == k})
+            ax.plot([], [], color=f"C{i}", label=f"{k} kernels ({', '.join(ran)})")
         e = sp["summary"]["end_sampled"]
         ax.set_title(f"{label}: end {e['mean']:.2f} ± {e['std']:.2f} ({e['n']} runs)")
         ax.set_xlabel("RL step")
