@@ -67,7 +67,7 @@ def test_summary_and_figure_are_the_spread_of_the_runs() -> None:
     assert s["start_sampled"]["mean"] == pytest.approx(0.3) and s["start_greedy"]["std"] == 0.0
     assert s["train_wall_s"]["mean"] == pytest.approx(200.0) and s["step_cpu_s"]["max"] == pytest.approx(150.0) and s["end_sampled_range"] == pytest.approx(0.2)
     assert dr.figure(s) == "0.250–0.350 → 0.800–1.000 (0.90 ± 0.10)"
-    assert dr.figure(s, "greedy") == "0.200–0.200 → 0.800–1.000 (0.90 ± 0.10)"
+    assert dr.figure(s, "greedy") == "0.200 → 0.800–1.000 (0.90 ± 0.10)"  # one start value: no range
 
 
 def test_by_final_pools_the_chains_that_end_in_a_relation() -> None:

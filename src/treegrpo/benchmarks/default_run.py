@@ -422,9 +422,13 @@ def plot_spreads(doc: dict[str, Any], png: Path) -> None:
 
 def figure(summary: dict[str, Any], mode: str = "sampled") -> str:
     """The README's figure of a spread: ``0.242–0.328 → 0.852–0.922 (0.89 ± 0.03)`` —
-    the start's range, the end's range, the end's mean ± sd."""
+    the start's range, the end's range (one value where every run had it), the end's mean ± sd."""
     s, e = summary[f"start_{mode}"], summary[f"end_{mode}"]
-    return f"{s['min']:.3f}–{s['max']:.3f} → {e['min']:.3f}–{e['max']:.3f} ({e['mean']:.2f} ± {e['std']:.2f})"
+
+    def span(x: dict[str, float]) -> str:
+        return f"{x['min']:.3f}" if f"{x['min']:.3f}" == f"{x['max']:.3f}" else f"{x['min']:.3f}–{x['max']:.3f}"
+
+    return f"{span(s)} → {span(e)} ({e['mean']:.2f} ± {e['std']:.2f})"
 
 
 __all__ = [
