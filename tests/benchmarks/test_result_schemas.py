@@ -36,10 +36,12 @@ DATA_KEYED: tuple[str, ...] = (
     "/equal_cost/*/headline", "/equal_cost/*/headline/*", "/equal_cost/*/targets",
 )  # fmt: skip
 #: Where a tiny run may write ``null`` though the committed file has a value: a config field left
-#: unset, the fixture model is no bootstrapped agent (no config hash), and it calls no tool (no
+#: unset, the fixture model is no bootstrapped agent (no config hash, no bootstrap record), and it calls no tool (no
 #: tool-call fractions or ratios).
 NULLABLE: tuple[str, ...] = (
-    "/config/*", "/settings/treegrpo_config/*", "/model/config_hash", "/models/*/config_hash", "/phases[*]/tool_fraction_expected",
+    "/config/*", "/settings/treegrpo_config/*", "/model/config_hash", "/models/*/config_hash",
+    "/models/*/code_fingerprint", "/models/*/bootstrap", "/models/*/demos", "/models/*/warmup_eval",
+    "/phases[*]/tool_fraction_expected",
     "/phases[*]/tool_fraction_measured", "/phases[*]/tool_calls_per_traj_ratio_expected",
     "/targets/*.tool_calls_per_traj_ratio/measured", "/targets/*.tool_calls_per_traj_ratio/pass",
 )  # fmt: skip
@@ -121,6 +123,10 @@ def shape_problems(new: Any, old: Any, path: str = "", entry: bool = False) -> l
             for i, e in enumerate(new):
                 out += _best(e, old, f"{path}[{i}]", entry=True)
     return out
+
+
+#: The committed token-matched table (``bench learn --matched tokens``).
+TOKENS_RESULT = "learn_tokens_rare3.json"
 
 
 def committed(name: str) -> dict[str, Any]:
@@ -220,6 +226,17 @@ def test_learn_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.
     )
     assert json.loads((tmp_path / "learn.json").read_text()) == doc
     assert shape_problems(doc, committed("learn.json")) == []
+
+
+def test_learn_tokens_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from treegrpo.benchmarks import learn
+
+    _tiny_regime(monkeypatch, tiny_model_dir)
+    monkeypatch.setattr("treegrpo.benchmarks.learn_spec.TOKEN_EVAL_PER_BUDGET", 20)
+    doc = learn.run_bench(
+        tmp_path / "t.json", regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens"
+    )
+    assert shape_problems(doc, committed(TOKENS_RESULT)) == []
 
 
 @pytest.mark.parametrize("task", ["search", "sql"])
