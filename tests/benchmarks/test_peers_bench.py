@@ -1,6 +1,8 @@
-"""``bench peers`` end to end on SmolLM2 cut to 2 layers: TRL's GRPOTrainer and treegrpo, 1 step per
-row, each row in its own process; both sides were given the same prompts (token ids), G, token cap
-and lr as each side recorded them; a finished row is reused; the table's medians and checks.
+"""``bench peers`` end to end on SmolLM2 cut to 2 layers (the multi-turn job on a copy carrying the
+``chatml-tools`` template): TRL's GRPOTrainer and treegrpo, 1 step per row, each row in its own
+process with the same allocator setting; both sides were given the same prompts (token ids), G,
+token cap and lr as each side recorded them; a finished row is reused; the table's medians, the
+paired ratios and their refusal when the two sides did not stop alike.
 
 Skipped only where ``trl`` is not installed — and never in CI (``CI=true``), which installs the
 ``[peers]`` extra (.ci/run)."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,11 @@ from test_result_schemas import committed, shape_problems
 from typer.testing import CliRunner
 
 from treegrpo.benchmarks.peers import LOSS_PAIRS, ROWS, SPEC_OWNED, PeersSpec, job_config, run_bench
-from treegrpo.benchmarks.peers_report import checks, steps_median, summarize
+from treegrpo.benchmarks.peers_report import TARGETS, checks, steps_median, summarize
 from treegrpo.cli import app
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import load_tokenizer
+from treegrpo.rollout.templates import set_chat_template
 
 SCHEMA = ("system", "job", "sampler", "steps", "step_wall_s", "generated_tokens", "trained_tokens", "rollout_cpu_s",
           "update_cpu_s", "peak_rss_gb", "em_before", "em_after", "settings")  # fmt: skip
@@ -35,6 +39,7 @@ SETTINGS = (
     "prompt_ids",
     "versions",
     "threads",
+    "malloc_mmap_threshold",
 )
 
 
@@ -45,18 +50,28 @@ def _need_trl() -> None:
         pytest.skip("trl not installed (pip install -e '.[peers]')")
 
 
-def _spec(model: Path) -> PeersSpec:
+def _spec(model: Path, tools_model: Path | None = None) -> PeersSpec:
     return PeersSpec(
-        model=str(model), steps=1, eval_prompts=1, prompts_per_step=1, max_new_tokens=12, threads=1, max_turns=1,
-        max_obs_tokens=200, max_context_tokens=1024,
+        model=str(model), tools_model=str(tools_model) if tools_model else None, steps=1, repeats=1, eval_prompts=1,
+        prompts_per_step=1, max_new_tokens=12, threads=1, max_turns=1, max_obs_tokens=200, max_context_tokens=1024,
     )  # fmt: skip
+
+
+def tools_copy(folder: Path, out: Path) -> Path:
+    """``folder`` with the ``chatml-tools`` template (as a ``--protocol tools`` warm-up saves it)."""
+    shutil.copytree(folder, out)
+    tok = load_tokenizer(out)
+    set_chat_template(tok, "chatml-tools")
+    tok.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def bench(smollm2_2layer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _need_trl()
     tmp = tmp_path_factory.mktemp("peers")
-    spec, said = _spec(smollm2_2layer_dir), []
+    tools = tools_copy(smollm2_2layer_dir, tmp / "tools_model")
+    spec, said = _spec(smollm2_2layer_dir, tools), []
     res = run_bench(spec, tmp / "work", tmp / "peers.json", said.append)
     return {"spec": spec, "tmp": tmp, "res": res, "rows": {r["name"]: r for r in res["rows"]}}
 
@@ -91,38 +106,54 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
         assert (
             r["process_peak_rss_gb"] >= r["peak_rss_gb"] * 0.999
         )  # training's high-water mark <= the process's
-        assert r["settings"]["model_dir"] == str(bench["spec"].model) and r["settings"]["threads"] == 1
+        # completion lengths: the model's own tokens per trajectory, consistent with the step's total
+        assert 0 < r["completion_len_mean"][0] <= r["completion_len_max"][0] <= 24, name
+        assert r["completion_len_mean"][0] * r["trajectories"][0] >= r["generated_tokens"][0] * 0.999 or r["sampler"] == "tree"
+        # every phase counted on both sides: prefill and decode in the rollout, positions in the update
+        assert all(r[k][0] > 0 for k in ("prefill_positions", "decode_steps", "decode_positions", "update_positions")), name
+        assert r["decode_positions"][0] >= r["decode_steps"][0] and r["update_positions"][0] >= r["trained_tokens"][0] // 2
+        want_model = bench["spec"].tools_model if r["job"] == "multi_turn" else bench["spec"].model
+        assert r["settings"]["model_dir"] == str(want_model) and r["settings"]["threads"] == 1
         assert r["settings"]["versions"]["torch"] and r["settings"]["versions"]["transformers"]
+        # the same allocator setting in every row's process (glibc reads it at start-up)
+        assert r["settings"]["malloc_mmap_threshold"] == str(1 << 20) and r["settings"]["seed"] == 0
     assert rows["single_turn/trl"]["settings"]["versions"]["trl"]
+    assert rows["multi_turn/trl"]["tool_calls"][0] >= 0 and rows["multi_turn/chain"]["tool_calls"][0] >= 0
+    # the ablations turned off what they say: more prefill without prefix sharing, more update
+    # positions without packing (the prompt once per trajectory instead of once per group)
+    base = rows["single_turn/chain"]
+    assert rows["single_turn/chain_no_sharing"]["prefill_positions"][0] > base["prefill_positions"][0]
+    assert rows["single_turn/chain_no_packing"]["update_positions"][0] > base["update_positions"][0]
     # the same starting model, one evaluation for every row of a job
     for name, r in rows.items():
         assert r["em_before"] == res["eval_before"][r["job"]]["eval/success_greedy"], name
     assert rows["single_turn/trl"]["eval_after"].keys() == rows["single_turn/chain"]["eval_after"].keys()
-    assert [t["name"] for t in res["table"]] == [r["name"] for r in res["rows"]]
-    assert {"single_turn_cpu_per_token_ratio", "single_turn_peak_rss_ratio"} <= set(res["checks"])
+    assert rows["multi_turn/trl"]["eval_after"].keys() == rows["multi_turn/chain"]["eval_after"].keys()
+    assert [t["name"] for t in res["table"]] == list(dict.fromkeys(r["name"] for r in res["rows"]))
+    assert set(res["checks"]["targets"]) == set(TARGETS) and res["environment"]["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
     assert res["provenance"]["model_hash"].startswith("sha256:") and res["settings"]["differences"]
     shared = res["settings"]["shared"]
     assert shared["single_turn"]["group_size"] == 4 and shared["single_turn"]["max_new_tokens"] == 12
     assert shared["single_turn"]["lr"] == 1e-5 and shared["single_turn"]["threads"] == 1
-    assert shared["multi_turn"]["group_size"] == {"multi_turn/chain": 4, "multi_turn/tree_2_2_1": 6}
+    assert shared["multi_turn"]["group_size"] == {
+        "multi_turn/trl": 4, "multi_turn/chain": 4, "multi_turn/tree_2_2_1": 6, "multi_turn/tree_2_2_1_no_sharing": 6,
+        "multi_turn/tree_2_2_1_no_packing": 6,
+    }  # fmt: skip
+    # the single-turn job's warm-up demonstrations: answered in one step, from the job's own prompts
+    demos = [json.loads(x) for x in (bench["tmp"] / "work" / "job" / "single_turn_demos.jsonl").read_text().splitlines()]
+    assert demos and all(d["steps"] == [f"<answer> {d['answers'][0]} </answer>"] for d in demos)
+    assert all(d["answers"][0].lower() in d["question"].lower() for d in demos)
 
 
 def test_trl_limits_are_probed_on_the_installed_versions(bench: dict[str, Any]) -> None:
-    """What the results state about TRL (no stop strings, no tools with this template, every position
-    through its LM head on a CPU) is probed on the installed versions, not assumed."""
+    """What the results state about TRL (no stop strings, every position through its LM head on a
+    CPU) is probed on the installed versions, not assumed."""
     probes = bench["rows"]["single_turn/trl"]["settings"]["probes"]
     assert (
         probes["stop_strings"]["error"].startswith("ValueError")
         and "tokenizer" in probes["stop_strings"]["error"]
     )
-    assert probes["tools"]["supports_tool_calling"] is False and "tool calling" in probes["tools"]["error"]
     assert probes["lm_head"]["compact"] is False and probes["lm_head"]["chunk_positions"] >= 1024  # on a CPU
-    (not_run,) = bench["res"]["not_run"]
-    assert (not_run["system"], not_run["job"], not_run["error"]) == (
-        "trl",
-        "multi_turn",
-        probes["tools"]["error"],
-    )
 
 
 def test_both_sides_got_the_same_prompts_group_cap_and_lr(bench: dict[str, Any]) -> None:
@@ -137,18 +168,21 @@ def test_both_sides_got_the_same_prompts_group_cap_and_lr(bench: dict[str, Any])
     assert tc["seed"] == oc["seed"] and tc["temperature"] == oc["temperature"] == 1.0
     assert tc["bf16"] is False and oc["dtype"] == "float32" and tc["shuffle_dataset"] is False
     assert trl["trajectories"] == ours["trajectories"] == [4] and trl["groups_same_prompt"]
+    mtrl, mours = rows["multi_turn/trl"]["settings"]["trl_config"], rows["multi_turn/chain"]["settings"]["treegrpo_config"]
+    assert mtrl["num_generations"] == mours["group_size"] and mtrl["learning_rate"] == mours["lr"]
+    assert mours["protocol"] == "tools" and mtrl["max_tool_calling_iterations"] == mours["max_turns"]
     # the same prompt token ids, in the same order, as each side fed them to its model
     seen = [[(p["id"], p["ids"]) for p in step] for step in trl["prompts_seen"]]
     assert seen == [[(p["id"], p["ids"]) for p in step] for step in ours["prompts_seen"]]
     assert (
         trl["settings"]["prompt_ids"] == ours["settings"]["prompt_ids"] == [[i for i, _ in s] for s in seen]
     )
-    # ... which are the recorded chat messages through the chat template
-    tok = load_tokenizer(Path(bench["spec"].model))
+    # ... which are the recorded chat messages (and tools) through each job's chat template
     for job in ("single_turn", "multi_turn"):
         recorded = res["prompts"][job]
+        tok = load_tokenizer(Path(bench["spec"].tools_model if job == "multi_turn" else bench["spec"].model))
         texts = [
-            tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+            tok.apply_chat_template(p["messages"], tools=p.get("tools"), add_generation_prompt=True, tokenize=False)
             for p in recorded
         ]
         for name in (n for n in rows if rows[n]["job"] == job):
@@ -156,6 +190,7 @@ def test_both_sides_got_the_same_prompts_group_cap_and_lr(bench: dict[str, Any])
             assert [p["id"] for p in got] == [p["id"] for p in recorded], name
             assert [p["ids"] for p in got] == [tok.encode(t, add_special_tokens=False) for t in texts], name
     assert "<information>Doc 1(Title:" in res["prompts"]["single_turn"][0]["messages"][0]["content"]
+    assert res["prompts"]["multi_turn"][0]["tools"][0]["function"]["name"] == "search"
     assert (
         rows["multi_turn/tree_2_2_1"]["settings"]["group_size"]
         == 6
@@ -170,43 +205,65 @@ def test_a_finished_row_is_reused(bench: dict[str, Any]) -> None:
     assert again["rows"] == bench["res"]["rows"]
 
 
-def test_medians_drop_the_first_step_and_checks_compare_the_rows() -> None:
+def _row(name: str, rep: int, roll: list[float], upd: list[float], gen: list[int], lens: list[float], rss: float,
+         em: float = 0.5) -> dict[str, Any]:  # fmt: skip
+    system, job = ("trl" if name.endswith("trl") else "treegrpo"), name.split("/")[0]
+    return {"name": name, "system": system, "job": job, "sampler": "chain", "steps": 3, "repeat": rep,
+            "step_wall_s": [9, 2, 4], "rollout_cpu_s": roll, "update_cpu_s": upd, "generated_tokens": gen,
+            "trained_tokens": [10 * g for g in gen], "computed_tokens": gen, "trajectories": [4, 4, 4],
+            "completion_len_mean": lens, "completion_len_max": [int(x) + 1 for x in lens],
+            "prefill_positions": [100, 100, 100], "decode_steps": [5, 5, 5], "decode_positions": [20, 20, 20],
+            "update_positions": [50, 40, 60], "peak_rss_gb": rss, "em_before": 0.0, "em_after": em,
+            "settings": {"seed": rep, "threads": 1}}  # fmt: skip
+
+
+def test_medians_drop_the_first_step_and_repeats_give_median_and_spread() -> None:
     assert steps_median([100.0, 3.0, 1.0, 2.0]) == 2.0 and steps_median([7.0]) == 7.0
-    base = {
-        "sampler": "chain",
-        "steps": 3,
-        "step_wall_s": [9, 2, 4],
-        "peak_rss_gb": 2.0,
-        "em_before": 0.0,
-        "em_after": 0.5,
-    }
+    assert steps_median([1.0, None]) is None
+    rows = [
+        _row("single_turn/trl", 0, [50, 4, 6], [50, 6, 6], [10, 10, 12], [3, 2.5, 3], 4.0),
+        _row("single_turn/trl", 1, [50, 8, 8], [50, 8, 8], [10, 16, 16], [3, 4, 4], 5.0),
+    ]
+    (line,) = summarize(rows)
+    # repeat 0: per trajectory (4 a step) steps 2, 3: 10/4, 12/4 -> median 2.75; repeat 1: 16/4 -> 4.0
+    assert line["cpu_s_per_trajectory"] == pytest.approx((2.75 + 4.0) / 2)
+    assert line["spread"]["cpu_s_per_trajectory"] == pytest.approx([2.75, 4.0])
+    assert line["repeats"] == 2 and line["peak_rss_gb"] == 4.5 and line["spread"]["peak_rss_gb"] == [4.0, 5.0]
+    # phases: rollout CPU-ms per (prefill + decode) position; update CPU-ms per update position
+    # repeat 0: steps 2, 3 -> 4000/120, 6000/120 -> 41.67; repeat 1: 8000/120 -> 66.67
+    assert line["rollout_ms_per_position"] == pytest.approx((5000 / 120 + 8000 / 120) / 2)
+    # repeat 0: 6000/40, 6000/60 -> median 125; repeat 1: 8000/40, 8000/60 -> 166.67
+    assert line["update_ms_per_position"] == pytest.approx((125 + (200 + 8000 / 60) / 2) / 2)
+    assert line["completion_len_mean"] == pytest.approx((2.75 + 4.0) / 2) and line["completion_len_max"] == 5
+    assert line["em_after_by_seed"] == {"0": 0.5, "1": 0.5}
+    # the load: CPU-s per wall-s per thread, steps 2..K: repeat 0: 10/2, 12/4 -> 4.0
+    assert line["spread"]["cpu_per_wall"][0] == pytest.approx(4.0)
 
-    def row(name: str, roll: list[float], upd: list[float], gen: list[int], rss: float) -> dict[str, Any]:
-        system, job = ("trl" if name.endswith("trl") else "treegrpo"), name.split("/")[0]
-        return {**base, "name": name, "system": system, "job": job, "rollout_cpu_s": roll, "update_cpu_s": upd,
-                "generated_tokens": gen, "trained_tokens": [10 * g for g in gen], "computed_tokens": gen,
-                "trajectories": [4, 4, 4], "peak_rss_gb": rss}  # fmt: skip
 
-    table = summarize([
-        row("single_turn/trl", [50, 4, 6], [50, 6, 6], [10, 10, 12], 4.0),
-        row("single_turn/chain", [50, 1, 2], [50, 1, 1], [10, 10, 12], 2.0),
-    ])  # fmt: skip
-    trl, chain = table
-    assert trl["cpu_s_per_generated_token"] == pytest.approx((1.0 + 1.0) / 2)  # steps 2, 3: 10/10, 12/12
-    assert chain["cpu_s_per_generated_token"] == pytest.approx((0.2 + 0.25) / 2)  # 2/10, 3/12
-    assert (
-        trl["generated_tokens_per_cpu_s"] == pytest.approx((10 / 4 + 12 / 6) / 2)
-        and trl["step_wall_s"] == 3.0
-    )
-    assert chain["trajectories_per_1k_tokens"] == pytest.approx((400 + 1000 * 4 / 12) / 2)
-    got = checks(table)
-    assert (
-        got["single_turn_cpu_per_token_ratio"] == pytest.approx(0.225)
-        and got["single_turn_cpu_per_token_met"]
-    )
-    assert got["single_turn_peak_rss_ratio"] == 0.5 and got["single_turn_peak_rss_met"]
-    # per trajectory (4 a step): chain (2/4, 3/4), TRL (10/4, 12/4): medians 0.625 and 2.75
-    assert got["single_turn_cpu_per_trajectory_ratio"] == pytest.approx(0.625 / 2.75)
+def test_ratios_are_paired_by_repeat_and_refused_when_the_sides_stopped_differently() -> None:
+    trl = [_row("single_turn/trl", 0, [50, 4, 6], [50, 6, 6], [10, 10, 12], [10, 10, 12], 4.0, em=0.5),
+           _row("single_turn/trl", 1, [50, 8, 8], [50, 8, 8], [10, 16, 16], [10, 10, 12], 4.0, em=0.25)]  # fmt: skip
+    chain = [_row("single_turn/chain", 0, [50, 1, 2], [50, 1, 1], [10, 10, 12], [10, 10, 12], 2.0, em=0.75),
+             _row("single_turn/chain", 1, [50, 2, 2], [50, 2, 2], [10, 16, 16], [11, 11, 11], 1.0, em=0.25)]  # fmt: skip
+    got = checks(trl + chain)
+    cpu = got["targets"]["single_turn_cpu_per_trajectory"]
+    # repeat 0: chain (2/4, 3/4) -> 0.625 vs TRL 2.75; repeat 1: chain 4/4 = 1.0 vs TRL 4.0
+    assert cpu["per_repeat"] == pytest.approx([0.625 / 2.75, 0.25]) and cpu["refused"] is None
+    assert cpu["ratio"] == pytest.approx((0.625 / 2.75 + 0.25) / 2) and cpu["met"] is True
+    assert cpu["spread"] == pytest.approx([0.625 / 2.75, 0.25])
+    rss = got["targets"]["single_turn_peak_rss"]
+    assert rss["per_repeat"] == [0.5, 0.25] and rss["ratio"] == 0.375 and rss["met"] is True
+    assert got["targets"]["multi_turn_traj_per_1k"]["met"] is None  # no multi-turn rows
+    em = got["em"]["single_turn/chain"]
+    assert em["seeds"] == [0, 1] and em["row"] == [0.75, 0.25] and em["trl"] == [0.5, 0.25]
+    assert em["diff_mean"] == pytest.approx(0.125) and em["wins"] == 1 and em["ties"] == 1
+    # TRL talks past the answer (mean completion 40 tokens vs 11): the ratio is refused, not reported
+    long = [{**r, "completion_len_mean": [40, 40, 40]} for r in trl]
+    refused = checks(long + chain)["targets"]["single_turn_cpu_per_trajectory"]
+    assert refused["ratio"] is None and refused["met"] is None and "differ by" in refused["refused"]
+    # within the tolerance (1.3x): reported
+    near = [{**r, "completion_len_mean": [13, 13, 13]} for r in trl]
+    assert checks(near + chain)["targets"]["single_turn_cpu_per_trajectory"]["ratio"] is not None
 
 
 def test_job_configs_set_only_what_the_bench_owns(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
@@ -214,13 +271,23 @@ def test_job_configs_set_only_what_the_bench_owns(smollm2_2layer_dir: Path, tmp_
     single, multi = job_config(spec, "single_turn", tmp_path), job_config(spec, "multi_turn", tmp_path)
     assert set(single.model_fields_set) | set(multi.model_fields_set) <= {*SPEC_OWNED, "obs_format"}
     assert (single.max_turns, single.prompt_template, multi.max_turns) == (0, "{question}", 1)
+    assert (single.protocol, multi.protocol) == ("tags", "tools")
     assert single.kl_coef == multi.kl_coef == 0.0 and single.agg_mode == "token-mean"
+
+
+def test_a_multi_turn_start_without_a_tool_template_is_one_line(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """SmolLM2's own ChatML template renders no tool calls: the bench says which folder and the fix."""
+    spec = PeersSpec(model=str(smollm2_2layer_dir), jobs=("multi_turn",), steps=1, repeats=1, eval_prompts=1)
+    with pytest.raises(ConfigError, match=r"--model .*tool-calling chat template.*--protocol tools"):
+        run_bench(spec, tmp_path / "work", tmp_path / "out.json", lambda _: None)
 
 
 @pytest.mark.parametrize(
     ("fields", "want"),
     [({"loss": "seq-mean-token-sum"}, "--loss"), ({"rows": ("single_turn/vllm",)}, "--rows"),
-     ({"overrides": {"lr": 1.0}}, "--set lr"), ({"group_size": 1}, "--group-size")],
+     ({"overrides": {"lr": 1.0}}, "--set lr"), ({"overrides": {"packing": "off"}}, "--set packing"),
+     ({"group_size": 1}, "--group-size"), ({"repeats": 0}, "--repeats"),
+     ({"malloc_mmap_threshold": -1}, "--malloc-mmap-threshold")],
 )  # fmt: skip
 def test_bad_settings_are_one_line_errors(fields: dict[str, Any], want: str) -> None:
     with pytest.raises(ConfigError, match=want):

@@ -356,17 +356,20 @@ def bench_scale_cmd(
 
 @bench.command("peers")
 def bench_peers_cmd(
-    model: str = typer.Option(..., help="The starting folder both sides load (a `treegrpo warmup` output; or any --model reference)."),
+    model: str = typer.Option(..., help="The single-turn job's starting folder both sides load: a `treegrpo warmup --demos WORK/job/single_turn_demos.jsonl` output (docs/benchmarks.md)."),
+    tools_model: str | None = typer.Option(None, help="The multi-turn job's starting folder: a `treegrpo warmup --protocol tools --chat-template chatml-tools` output (default: --model)."),
     out: Path = typer.Option(Path("benchmarks/results/peers.json"), help="Results JSON (plot next to it, .png)."),
     work: Path = typer.Option(Path("runs/bench-peers"), help="Work folder: the job files and one folder per row (a finished row is reused)."),
-    steps: int = typer.Option(5, help="RL steps K of every row (the table: medians over steps 2..K)."),
+    steps: int = typer.Option(8, help="RL steps K of every row (the table: medians over steps 2..K)."),
+    repeats: int = typer.Option(2, help="Runs of every row, interleaved (repeat r: seed + r on every row); the table gives the median and spread."),
+    malloc_mmap_threshold: int = typer.Option(1 << 20, help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) in every row's environment, the same on both sides (0: unset)."),
     eval_prompts: int = typer.Option(64, help="Held-out questions (greedy EM) before and after."),
     prompts_per_step: int = typer.Option(2, help="Prompts per step."),
     group_size: int = typer.Option(4, help="Completions per prompt (TRL num_generations, treegrpo chain group_size)."),
     max_new_tokens: int = typer.Option(48, help="Cap on tokens per completion / agent step."),
     lr: float = typer.Option(1e-5, help="AdamW learning rate (constant) of both sides."),
     loss: str = typer.Option("token-mean", help="treegrpo agg_mode; TRL gets the loss_type computing the same loss (token-mean=dapo, seq-mean-token-mean=grpo, seq-mean-token-sum-norm=dr_grpo)."),
-    seed: int = typer.Option(0, help="Seed of every row (prompt order, sampling)."),
+    seed: int = typer.Option(0, help="Seed of every row's first repeat (prompt order, sampling)."),
     threads: int = typer.Option(0, help="torch CPU threads of every row (0: torch's default)."),
     data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
     eval_data: str | None = typer.Option(None, help="Held-out questions (default: the set's own held-out split)."),
@@ -376,19 +379,21 @@ def bench_peers_cmd(
     max_obs_tokens: int = typer.Option(600, help="Multi-turn job: observation tokens kept per step."),
     max_context_tokens: int = typer.Option(3072, help="Longest context of a treegrpo trajectory."),
     jobs: str = typer.Option("single_turn,multi_turn", help="Comma-separated jobs."),
-    rows: str = typer.Option("", help="Comma-separated rows (default: all of the jobs'): single_turn/trl, single_turn/chain, multi_turn/chain, multi_turn/tree_2_2_1."),
+    rows: str = typer.Option("", help="Comma-separated rows (default: all of the jobs'): single_turn/trl, single_turn/chain, single_turn/chain_no_sharing, single_turn/chain_no_packing, multi_turn/trl, multi_turn/chain, multi_turn/tree_2_2_1, multi_turn/tree_2_2_1_no_sharing, multi_turn/tree_2_2_1_no_packing."),
     sets: list[str] = typer.Option([], "--set", help="Any TrainConfig field of the treegrpo rows and every evaluation: --set key=value."),
 ) -> None:
-    """TRL's GRPOTrainer vs treegrpo on the same job (same starting folder, prompts and order, G,
-    token cap, lr, no KL, the same loss): per-step wall, rollout/update CPU-seconds, tokens per
-    CPU-second, peak RSS per row (each in its own process), held-out EM before/after."""
+    """TRL's GRPOTrainer vs treegrpo on the same jobs (same starting folder, prompts and order, G,
+    token cap, lr, no KL, the same loss, the same allocator setting; the multi-turn job through
+    TRL's tools=): CPU-seconds per trajectory, work per phase, completion lengths, peak RSS per row
+    (each in its own process, repeats interleaved), held-out EM before/after, paired by seed."""
     from treegrpo.benchmarks.peers import ROWS, PeersSpec, run_bench
     from treegrpo.errors import ConfigError
     from treegrpo.training.config import parse_set
 
     try:
         spec = PeersSpec(
-            model=model, data=data, eval_data=eval_data, corpus=corpus, topk=topk, max_turns=max_turns,
+            model=model, tools_model=tools_model, repeats=repeats, malloc_mmap_threshold=malloc_mmap_threshold,
+            data=data, eval_data=eval_data, corpus=corpus, topk=topk, max_turns=max_turns,
             max_obs_tokens=max_obs_tokens, max_context_tokens=max_context_tokens, steps=steps, eval_prompts=eval_prompts,
             prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
             loss=loss, seed=seed, threads=threads, jobs=tuple(j.strip() for j in jobs.split(",") if j.strip()),

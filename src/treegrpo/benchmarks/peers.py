@@ -2,11 +2,13 @@
 (what is the same on both sides and what differs: docs/benchmarks.md, and :data:`DIFFERENCES`).
 
 The jobs: ``single_turn`` (the question with its top-``topk`` BM25 passages in the prompt,
-:data:`SINGLE_TURN_PROMPT`, written once to ``work/job/``; treegrpo runs it as the data-file task
-with ``max_turns=0``) and ``multi_turn`` (the search agent; treegrpo rows only: the TRL row probes
-why TRL cannot run it and the results record it under ``not_run``). Each row of :data:`ROWS` runs
-in a process of its own (:mod:`treegrpo.benchmarks.peers_rows`), one at a time; a row finished with
-the same settings is reused from ``work/rows/<row>/result.json``. The table
+:data:`SINGLE_TURN_PROMPT`, written once to ``work/job/`` with the job's warm-up demonstrations;
+treegrpo runs it as the data-file task with ``max_turns=0``) and ``multi_turn`` (the search agent
+in the model's own tool-call protocol: TRL's ``GRPOTrainer(tools=[search])`` and treegrpo's
+``protocol: tools`` over the same ``search`` function, chat template and starting folder). Each row
+of :data:`ROWS` runs in a process of its own (:mod:`treegrpo.benchmarks.peers_rows`) with the same
+allocator setting, one at a time, ``repeats`` times interleaved; a row finished with the same
+settings is reused from ``work/rows/<row>/repeat_<r>/result.json``. The table
 (:mod:`treegrpo.benchmarks.peers_report`) keeps the per-step lists beside its medians.
 """
 
@@ -28,26 +30,40 @@ from treegrpo.envs.base import Task
 from treegrpo.envs.search import information
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_text
-from treegrpo.models.loader import MARKER_FILE, resolve_model_ref
+from treegrpo.models.loader import MARKER_FILE, load_tokenizer, resolve_model_ref
 from treegrpo.retrieval.base import format_passages
 from treegrpo.retrieval.factory import make_retriever
+from treegrpo.rollout.templates import check_tool_template
 from treegrpo.tasks.datafile import search_env, search_query, split_tasks
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.warmup import WARMUP_RECORD
 
 JOBS = ("single_turn", "multi_turn")
+#: Warm-up demonstrations written for the single-turn job (:func:`single_turn_demos`).
+DEMOS = 96
 #: treegrpo ``agg_mode`` -> the TRL ``loss_type`` that computes the same loss (with one optimizer
 #: step per generation batch): ``dapo`` (TRL's default) and ``bnpo`` are both the token mean over the
 #: batch's completion tokens; ``grpo`` the mean over sequences of their token mean; ``dr_grpo`` the
 #: token sum over (sequences x max_completion_length) (tests/algos/test_agg_parity.py).
 LOSS_PAIRS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
-#: The rows: name -> system, job, sampler and the treegrpo TrainConfig fields of the sampler.
+#: The rows: name -> system, job, sampler, the treegrpo TrainConfig fields of the sampler and, for an
+#: ablation, the mechanism it turns off (prefix sharing: every context prefilled in full, no KV reuse;
+#: packing: every trajectory its own row in the update, its shared prefix trained again).
 ROWS: dict[str, dict[str, Any]] = {
     "single_turn/trl": {"system": "trl", "job": "single_turn", "sampler": "chain"},
     "single_turn/chain": {"system": "treegrpo", "job": "single_turn", "sampler": "chain", "fields": {"sampler": "chain"}},
+    "single_turn/chain_no_sharing": {"system": "treegrpo", "job": "single_turn", "sampler": "chain", "ablation": "prefix sharing off",
+                                     "fields": {"sampler": "chain", "engine_options": {"prefix_reuse": False}}},
+    "single_turn/chain_no_packing": {"system": "treegrpo", "job": "single_turn", "sampler": "chain", "ablation": "packing off",
+                                     "fields": {"sampler": "chain", "packing": "off"}},
+    "multi_turn/trl": {"system": "trl", "job": "multi_turn", "sampler": "chain"},
     "multi_turn/chain": {"system": "treegrpo", "job": "multi_turn", "sampler": "chain", "fields": {"sampler": "chain"}},
     "multi_turn/tree_2_2_1": {"system": "treegrpo", "job": "multi_turn", "sampler": "tree",
                               "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1}},
+    "multi_turn/tree_2_2_1_no_sharing": {"system": "treegrpo", "job": "multi_turn", "sampler": "tree", "ablation": "prefix sharing off",
+                                         "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1, "engine_options": {"prefix_reuse": False}}},
+    "multi_turn/tree_2_2_1_no_packing": {"system": "treegrpo", "job": "multi_turn", "sampler": "tree", "ablation": "packing off",
+                                         "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1, "packing": "off"}},
 }  # fmt: skip
 SINGLE_TURN_PROMPT = (
     "Answer the given question using the passages below. Give the answer inside <answer> and </answer>, "
@@ -86,7 +102,7 @@ SPEC_OWNED = (
     "max_step_tokens", "max_obs_tokens", "max_context_tokens", "temperature", "top_p", "kl_coef", "agg_mode", "lr",
     "steps", "prompts_per_step", "gradient_checkpointing", "mini_batches", "lr_schedule", "lr_warmup_steps", "data",
     "eval_data", "prompt_template", "max_turns", "sampler", "m", "n", "l", "out_dir", "dump_rollouts_every",
-    "eval_every", "save_every", "resume",
+    "eval_every", "save_every", "resume", "protocol", "engine_options", "packing",
 )  # fmt: skip
 
 
@@ -95,10 +111,18 @@ class PeersSpec:
     """What ``bench peers`` runs (every field is recorded in the results).
 
     Attributes:
-        model: the starting folder (or model reference) both sides load.
+        model: the single-turn job's starting folder (or model reference) both sides load: a warm-up
+            on the job's own demonstrations (``work/job/single_turn_demos.jsonl``, docs/benchmarks.md),
+            which teaches the answer and the end-of-turn token after it.
+        tools_model: the multi-turn job's starting folder: a ``--protocol tools`` warm-up, carrying a
+            chat template that renders tool calls (``chatml-tools``); default: ``model``.
         data / eval_data / corpus: questions, held-out questions (default: the set's own split) and the
             retriever's corpus (BM25, in process).
         steps: RL steps K of every row. eval_prompts: held-out questions (greedy) before and after.
+        repeats: runs of every row, interleaved (every row of repeat 1, then of repeat 2, ...);
+            repeat ``r`` runs every row with seed ``seed + r``.
+        malloc_mmap_threshold: glibc's ``MALLOC_MMAP_THRESHOLD_`` (bytes) in every row's
+            environment, so both sides run on the same allocator setting (0: leave it unset).
         prompts_per_step / group_size: prompts per step and completions per prompt (chain rows, TRL).
         max_new_tokens: the cap on tokens per completion (a treegrpo step; TRL's max_completion_length).
         lr / loss / seed / threads: AdamW lr, treegrpo agg_mode (:data:`LOSS_PAIRS`), seed (prompt
@@ -110,10 +134,13 @@ class PeersSpec:
     """
 
     model: str
+    tools_model: str | None = None
     data: str = "wiki-vital-qa"
     eval_data: str | None = None
     corpus: str = "wiki-vital"
-    steps: int = 5
+    steps: int = 8
+    repeats: int = 2
+    malloc_mmap_threshold: int = 1 << 20
     eval_prompts: int = 64
     prompts_per_step: int = 2
     group_size: int = 4
@@ -138,8 +165,10 @@ class PeersSpec:
             raise ConfigError(f"--jobs: unknown {bad}; choose from {', '.join(JOBS)}")
         if bad := [r for r in self.rows if r not in ROWS]:
             raise ConfigError(f"--rows: unknown {bad}; choose from {', '.join(ROWS)}")
-        if min(self.steps, self.eval_prompts, self.prompts_per_step, self.group_size, self.max_new_tokens) < 1:
-            raise ConfigError("--steps, --eval-prompts, --prompts-per-step, --group-size and --max-new-tokens must be >= 1")
+        if min(self.steps, self.repeats, self.eval_prompts, self.prompts_per_step, self.group_size, self.max_new_tokens) < 1:
+            raise ConfigError("--steps, --repeats, --eval-prompts, --prompts-per-step, --group-size and --max-new-tokens must be >= 1")
+        if self.malloc_mmap_threshold < 0:
+            raise ConfigError("--malloc-mmap-threshold must be >= 0 bytes (0: leave glibc's default)")
         if self.group_size < 2:
             raise ConfigError("--group-size must be >= 2: a group of one has no baseline")
         if not self.lr > 0 or self.threads < 0 or self.max_turns < 1 or self.topk < 1:
@@ -156,10 +185,17 @@ def _agent_obs_format(folder: Path) -> str | None:
         return None
 
 
+def job_model(spec: PeersSpec, job: str) -> Path:
+    """The starting folder of ``job``: ``tools_model`` (else ``model``) for the multi-turn job."""
+    return resolve_model_ref(spec.tools_model or spec.model if job == "multi_turn" else spec.model)
+
+
 def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainConfig:
     """The treegrpo run config of ``job`` (every agent limit explicit, so a folder's recorded limits
-    never differ between rows); ``fields`` on top (sampler, output folder, model)."""
-    folder = resolve_model_ref(spec.model)
+    never differ between rows); ``fields`` on top (sampler, seed, output folder). The multi-turn
+    job runs the search tool in the model's own tool-call protocol (``protocol: tools``), the one
+    TRL's ``tools=`` speaks."""
+    folder = job_model(spec, job)
     common: dict[str, Any] = {
         "model": str(folder), "corpus": spec.corpus, "topk": spec.topk, "eval_prompts": spec.eval_prompts,
         "eval_sampled": False, "seed": spec.seed, "threads": spec.threads, "tensorboard": False,
@@ -168,15 +204,15 @@ def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainCon
         "agg_mode": spec.loss, "lr": spec.lr, "steps": spec.steps, "prompts_per_step": spec.prompts_per_step,
         "gradient_checkpointing": True, "mini_batches": 1, "lr_schedule": "constant", "lr_warmup_steps": 0,
     }  # fmt: skip
-    if (obs := _agent_obs_format(folder)) is not None:
-        common["obs_format"] = obs
     if job == "single_turn":
+        if (obs := _agent_obs_format(folder)) is not None:
+            common["obs_format"] = obs
         common.update(
             data=str(work / "job" / "single_turn_train.jsonl"), eval_data=str(work / "job" / "single_turn_eval.jsonl"),
             prompt_template="{question}", max_turns=0,
         )  # fmt: skip
     else:
-        common.update(data=spec.data, eval_data=spec.eval_data, max_turns=spec.max_turns)
+        common.update(data=spec.data, eval_data=spec.eval_data, max_turns=spec.max_turns, protocol="tools")
     return TrainConfig(**{**common, **spec.overrides, **fields})
 
 
@@ -203,45 +239,70 @@ def _write_jsonl(path: Path, tasks: Sequence[Task]) -> None:
     atomic_write_text(path, "\n".join(rows) + "\n")
 
 
+def single_turn_demos(tasks: Sequence[Task], n: int) -> list[dict[str, Any]]:
+    """Warm-up demonstrations of the single-turn job (``treegrpo warmup --demos``): the last ``n``
+    questions of ``tasks`` (the training split's end, which a short bench rarely draws) whose passages
+    hold their first answer, answered in one step; the warm-up follows each with the end-of-turn
+    token, so the model learns to stop after ``</answer>`` by itself (both sides stop alike)."""
+    good = [t for t in tasks if t.answers and t.answers[0].lower() in t.question.lower()]
+    return [{"id": t.id, "question": t.question, "answers": t.answers, "steps": [f"<answer> {t.answers[0]} </answer>"]}
+            for t in good[-n:]]  # fmt: skip
+
+
 def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
     """The questions of both jobs, written once into ``work/job`` (the single-turn files with their
-    passages), and per job: the prompt order and the exact chat messages of every prompt used."""
+    passages, and its warm-up demonstrations), and per job: the prompt order of every repeat and the
+    exact chat messages (and tools) of every prompt used."""
     base = job_config(spec, "multi_turn", work)
     train, held_out = split_tasks(base)
     held_out = held_out[: spec.eval_prompts]
-    order = prompt_order(train, spec.seed, spec.steps, spec.prompts_per_step)
+    orders = [prompt_order(train, spec.seed + r, spec.steps, spec.prompts_per_step) for r in range(spec.repeats)]
     out: dict[str, Any] = {}
-    tiny = (Path(base.model or "") / MARKER_FILE).is_file()
     if "single_turn" in spec.jobs:
         log(f"single-turn job: top-{spec.topk} passages for {len(train)} + {len(held_out)} questions")
         retriever = make_retriever(corpus=spec.corpus)
-        _write_jsonl(work / "job" / "single_turn_train.jsonl", single_turn_tasks(train, retriever, spec.topk))
+        single = single_turn_tasks(train, retriever, spec.topk)
+        _write_jsonl(work / "job" / "single_turn_train.jsonl", single)
         _write_jsonl(work / "job" / "single_turn_eval.jsonl", single_turn_tasks(held_out, retriever, spec.topk))
+        demos = "\n".join(json.dumps(d) for d in single_turn_demos(single, DEMOS))
+        atomic_write_text(work / "job" / "single_turn_demos.jsonl", demos + "\n")
     for job in spec.jobs:
         cfg = job_config(spec, job, work)
-        env = search_env(cfg, tiny)
+        tok = load_tokenizer(job_model(spec, job))
+        if job == "multi_turn":
+            try:
+                check_tool_template(tok, [])
+            except ConfigError as e:
+                raise ConfigError(
+                    f"{'--tools-model' if spec.tools_model else '--model'} {job_model(spec, job)}: the multi-turn job (TRL's "
+                    f"tools=, treegrpo's protocol tools) needs a tool-calling chat template: {e} (warm a folder up with "
+                    "`treegrpo warmup --protocol tools --chat-template chatml-tools` and pass it as --tools-model)"
+                ) from None
+        env = search_env(cfg, tiny=(job_model(spec, job) / MARKER_FILE).is_file(), tokenizer=tok)
         job_train, job_eval = split_tasks(cfg)
         tasks = {t.id: t for t in job_train}
+        tools = {"tools": env.chat_tools} if getattr(env, "chat_tools", None) else {}
         out[job] = {
-            "order": order,
+            "orders": orders,
             "prompts": [
-                {"step": s + 1, "id": i, "messages": [{"role": "user", "content": env.prompt(tasks[i])}], "answers": tasks[i].answers}
-                for s, ids in enumerate(order) for i in ids
+                {"repeat": r, "step": s + 1, "id": i, "messages": [{"role": "user", "content": env.prompt(tasks[i])}],
+                 **tools, "answers": tasks[i].answers}
+                for r, order in enumerate(orders) for s, ids in enumerate(order) for i in ids
             ],
             "eval_questions": len(job_eval[: spec.eval_prompts]),
         }  # fmt: skip
     return out
 
 
-def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str, Any]:
-    """Run one row (``treegrpo.benchmarks.peers_rows``) in a process of its own, or reuse the one
-    finished in ``folder`` with the same ``key``; returns its record plus peak RSS and wall."""
+def run_row(task: dict[str, Any], folder: Path, key: str, log: Log, env: dict[str, str]) -> dict[str, Any]:
+    """Run one row (``treegrpo.benchmarks.peers_rows``) in a process of its own with ``env`` set, or
+    reuse the one finished in ``folder`` with the same ``key``; returns its record plus peak RSS and wall."""
     done = folder / "result.json"
     if (prev := finished_row(done, key)) is not None:
         log(f"  {task['name']}: reusing {done}")
         return prev
     cmd = [sys.executable, "-c", "from treegrpo.benchmarks.peers_rows import main; main()", json.dumps(task)]
-    got = run_measured(cmd, log=folder / "log.txt")
+    got = run_measured(cmd, log=folder / "log.txt", env=env)
     if got["rc"] != 0 or not (folder / "row.json").is_file():
         tail = (folder / "log.txt").read_text()[-3000:] if (folder / "log.txt").is_file() else ""
         raise RuntimeError(f"bench peers: row {task['name']} failed (rc {got['rc']}); its log ends:\n{tail}")
@@ -254,76 +315,60 @@ def run_row(task: dict[str, Any], folder: Path, key: str, log: Log) -> dict[str,
     return row
 
 
+def row_environment(spec: PeersSpec) -> dict[str, str]:
+    """The environment every row runs with: the same glibc allocator setting on both sides."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(spec.malloc_mmap_threshold)} if spec.malloc_mmap_threshold else {}
+
+
 def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
-    """Every asked row of every asked job; writes ``out`` (JSON) and its PNG; returns the results."""
+    """Every asked row of every asked job, ``repeats`` times interleaved; writes ``out`` (JSON) and
+    its PNG; returns the results."""
     spec.check()
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     jobs = prepare_jobs(spec, work, log)
-    start_hash = model_hash(resolve_model_ref(spec.model))
+    env = row_environment(spec)
     rows: list[dict[str, Any]] = []
-    not_run: list[dict[str, Any]] = []
     keys = {
-        job: digest(asdict(spec) | {"rows": None, "jobs": None}, start_hash, jobs[job]["order"], *sorted((work / "job").glob(f"{job}_*.jsonl")))
+        job: digest(asdict(spec) | {"rows": None, "jobs": None}, model_hash(job_model(spec, job)), jobs[job]["orders"],
+                    *sorted((work / "job").glob(f"{job}_*.jsonl")))
         for job in spec.jobs
     }  # fmt: skip
     counts = ", ".join(f"{j}: {jobs[j]['eval_questions']}" for j in spec.jobs)
-    log(f"held-out EM of the starting model ({counts} questions, greedy), own process")
+    log(f"held-out EM of the starting models ({counts} questions, greedy), own process")
     configs = {job: job_config(spec, job, work).model_dump() for job in spec.jobs}
     start = {"name": "eval_start", "kind": "eval", "configs": configs, "threads": spec.threads, "out": str(work / "rows" / "eval_start")}
-    evals = run_row(start, work / "rows" / "eval_start", digest(keys), log)["eval"]
-    for name in spec.rows:
-        meta, job = ROWS[name], ROWS[name]["job"]
-        if job not in spec.jobs:
-            continue
-        folder = work / "rows" / name
-        cfg = job_config(spec, job, work, out_dir=str(folder / "run"), dump_rollouts_every=1, eval_every=spec.steps,
-                         save_every=spec.steps, **meta.get("fields", {}))  # fmt: skip
-        task = {
-            "name": name, "kind": meta["system"], "job": job, "config": cfg.model_dump(), "threads": spec.threads,
-            "out": str(folder), "eval_start": evals[job], "order": jobs[job]["order"], "trl_loss": LOSS_PAIRS[spec.loss],
-        }  # fmt: skip
-        log(f"{name}: {spec.steps} steps x {spec.prompts_per_step} prompts, own process")
-        row = run_row(task, folder, digest(keys[job], name), log)
-        rows.append({**{k: v for k, v in meta.items() if k != "fields"}, "name": name, **row})
-        if meta["system"] == "trl":
-            not_run.append(_trl_multi_turn_not_run(row["settings"]["probes"]["tools"]))
+    evals = run_row(start, work / "rows" / "eval_start", digest(keys), log, env)["eval"]
+    for rep in range(spec.repeats):
+        for name in spec.rows:
+            meta, job = ROWS[name], ROWS[name]["job"]
+            if job not in spec.jobs:
+                continue
+            folder = work / "rows" / name / f"repeat_{rep}"
+            cfg = job_config(spec, job, work, out_dir=str(folder / "run"), dump_rollouts_every=1, eval_every=spec.steps,
+                             save_every=spec.steps, seed=spec.seed + rep, **meta.get("fields", {}))  # fmt: skip
+            task = {
+                "name": name, "kind": meta["system"], "job": job, "config": cfg.model_dump(), "threads": spec.threads,
+                "out": str(folder), "eval_start": evals[job], "order": jobs[job]["orders"][rep], "trl_loss": LOSS_PAIRS[spec.loss],
+            }  # fmt: skip
+            log(f"{name} (repeat {rep + 1}/{spec.repeats}, seed {spec.seed + rep}): {spec.steps} steps x {spec.prompts_per_step} prompts, own process")
+            row = run_row(task, folder, digest(keys[job], name, rep), log, env)
+            rows.append({**{k: v for k, v in meta.items() if k != "fields"}, "name": name, "repeat": rep, **row})
     table = summarize(rows)
     results = {
         "provenance": provenance(model_dir=resolve_model_ref(spec.model), threads=spec.threads or None),
         "spec": asdict(spec),
+        "environment": {
+            **env, "threads": spec.threads, "seeds": [spec.seed + r for r in range(spec.repeats)],
+            "order": "interleaved: every row of repeat 1, then of repeat 2, ...",
+        },
         "rows": rows,
         "table": table,
-        "not_run": not_run,
         "settings": {"shared": shared_settings(rows), "differences": DIFFERENCES, "loss_pairs": LOSS_PAIRS},
         "prompts": {job: jobs[job]["prompts"] for job in spec.jobs},
         "eval_before": evals,
-        "checks": checks(table),
+        "checks": checks(rows),
         "wall_s": time.perf_counter() - t0,
     }
     write_result(out, results, plot, log=log)
     return results
-
-
-def _trl_multi_turn_not_run(probe: dict[str, Any]) -> dict[str, Any]:
-    """The multi-turn TRL row's record: why it cannot run, with the error the run-time probe got."""
-    if probe.get("error") is None:
-        return {"system": "trl", "job": "multi_turn", "error": None, "template_supports_tools": True,
-                "reason": "GRPOTrainer accepted tools=[search] with this chat template; the bench has no multi-turn TRL row"}  # fmt: skip
-    return {
-        "system": "trl",
-        "job": "multi_turn",
-        "error": probe["error"],
-        "template_supports_tools": probe.get("supports_tool_calling"),
-        "reason": (
-            "TRL 1.16 runs multi-turn agents only through tools= / environment_factory= (tool calls parsed from "
-            "the chat template's tool syntax, each turn generated to EOS) or a user-written rollout_func. "
-            "GRPOTrainer.__init__ refuses tools with this model's chat template (trl/trainer/grpo_trainer.py: "
-            "`if not supports_tool_calling(processing_class): raise ValueError(...)`): SmolLM2's ChatML template "
-            "renders no tool schema and drops assistant tool_calls (trl/chat_template_utils.py "
-            "supports_tool_calling), and add_response_schema knows no parser for it. Swapping in a tool-capable "
-            "template (e.g. Qwen2.5's) would change the prompts and the protocol (JSON <tool_call> instead of "
-            "<search>, the tool result as a new turn) that the starting folder was warmed up on, so it would not "
-            "be the same job; a rollout_func would be our own rollout code, not TRL's."
-        ),
-    }

@@ -12,6 +12,7 @@ the evaluation after, and its ``settings`` as each side recorded them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -24,8 +25,15 @@ from treegrpo.io import atomic_write_json
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.metrics import read_metrics
 from treegrpo.training.trainer import train
-from treegrpo.tree import read_forests
+from treegrpo.tree import Forest, read_forests
 
+#: The per-phase work of a step (docs/metrics): the row's key -> treegrpo's metric.
+PHASE_METRICS = {
+    "prefill_positions": "engine/prefill_positions",
+    "decode_steps": "engine/decode_steps",
+    "decode_positions": "engine/decode_positions",
+    "update_positions": "update/positions",
+}
 LIBRARIES = ("treegrpo", "torch", "transformers", "trl", "accelerate", "datasets", "tokenizers")
 
 
@@ -47,8 +55,26 @@ def evaluate_model(cfg: TrainConfig) -> dict[str, float]:
 
 
 def common_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """What every row records about how it ran, beyond its side's own config."""
-    return {"threads": torch.get_num_threads(), "versions": versions(), "model_dir": cfg.model, "device": cfg.device}
+    """What every row records about how it ran, beyond its side's own config: threads, versions,
+    the starting folder, the seed and glibc's allocator setting this process started with."""
+    return {
+        "threads": torch.get_num_threads(), "versions": versions(), "model_dir": cfg.model, "device": cfg.device,
+        "seed": cfg.seed, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }  # fmt: skip
+
+
+def completion_lengths(forests: list[Forest]) -> list[int]:
+    """The tokens the model generated on each trajectory (root to leaf: every step's policy tokens,
+    a shared step counted on each trajectory through it; prompts and observations excluded)."""
+    return [
+        sum(n.n_policy_tokens for n in tree.path(leaf.id)) for f in forests for tree in f.trees for leaf in tree.leaves()
+    ]
+
+
+def path_tokens(forests: list[Forest]) -> int:
+    """The tokens of the training sequences: every trajectory with its prompt and observations (what
+    a per-path update trains; packed, a shared prefix is computed once but trained for each)."""
+    return sum(len(n.tokens) for f in forests for tree in f.trees for leaf in tree.leaves() for n in tree.path(leaf.id))
 
 
 def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
@@ -60,9 +86,12 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
     steps = [m for m in metrics if m.get("step", 0) > 0 and "time/rollout_s" in m]
     recorded = json.loads((run / "config.json").read_text())
     prompts = []  # the prompts each step drew, as the rollouts recorded them (id and token ids)
+    lengths, trained = [], []  # per step: the model's generated tokens of each trajectory; path tokens
     for s in range(1, cfg.steps + 1):
         forests = read_forests(run / "rollouts" / f"step_{s:05d}.jsonl")
         prompts.append([{"id": f.prompt_id, "ids": list(f.trees[0].nodes[0].tokens)} for f in forests])
+        lengths.append(completion_lengths(forests))
+        trained.append(path_tokens(forests))
     return {
         "steps": len(steps),
         "step_wall_s": [m["time/rollout_s"] + m["time/update_s"] for m in steps],
@@ -72,10 +101,13 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
         "update_cpu_s": [m["time/update_cpu_s"] for m in steps],
         "generated_tokens": [int(m["budget/generated_tokens"]) for m in steps],
         "prefill_tokens": [int(m["budget/prefill_tokens"]) for m in steps],
-        "trained_tokens": [int(m["update/tokens_paths"]) for m in steps],
-        "computed_tokens": [int(m["update/tokens_packed"]) for m in steps],
+        "trained_tokens": trained,
+        "computed_tokens": [int(m.get("update/tokens_packed", m.get("update/positions", 0))) for m in steps],
         "trajectories": [int(m["rollout/trajectories"]) for m in steps],
         "tool_calls": [int(m["budget/tool_calls"]) for m in steps],
+        "completion_len_mean": [sum(ls) / len(ls) for ls in lengths],
+        "completion_len_max": [max(ls) for ls in lengths],
+        **{key: [m.get(metric) for m in steps] for key, metric in PHASE_METRICS.items()},
         "reward_mean": [m["reward/mean"] for m in steps],
         "peak_rss_gb": steps[-1]["mem/peak_rss_gb"],  # the high-water mark after the last update, before its evaluation
         "eval_before": summary.eval_start,

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,17 +172,20 @@ print(json.dumps({"rc": rc, "peak_kb": peak_kb, "wall_s": time.perf_counter() - 
 """
 
 
-def run_measured(cmd: list[str], log: Path | None = None) -> dict[str, Any]:
+def run_measured(cmd: list[str], log: Path | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run ``cmd`` in a process of its own (the child of a fresh middle process, so no other run
     shares its maximum): ``{"rc", "peak_rss_gb", "wall_s", "stderr"}``. The command's output goes to
-    ``log`` when given (``stderr`` is then ``""``), else it is captured into ``stderr``."""
+    ``log`` when given (``stderr`` is then ``""``), else it is captured into ``stderr``. ``env``:
+    variables set for the command on top of this process's environment (e.g. glibc's
+    ``MALLOC_MMAP_THRESHOLD_``, read when the process starts)."""
     middle = [sys.executable, "-c", _MIDDLE, json.dumps(cmd)]
+    full = {**os.environ, **env} if env else None
     if log is None:
-        res = subprocess.run(middle, capture_output=True, text=True, check=False)
+        res = subprocess.run(middle, capture_output=True, text=True, check=False, env=full)
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as fh:
-            res = subprocess.run(middle, stdout=subprocess.PIPE, stderr=fh, text=True, check=False)
+            res = subprocess.run(middle, stdout=subprocess.PIPE, stderr=fh, text=True, check=False, env=full)
     got = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else {}
     return {
         "rc": got.get("rc", 1),
