@@ -148,6 +148,10 @@ def _one_process(model_dir: Path, c: dict[str, Any]) -> dict[str, Any]:
     return {"metrics": metrics, "params": _flat(model.state_dict(), model), "min_grad": min_grad}
 
 
+LAYOUT_DEPENDENT = {"update/positions"}
+"""Metrics that count computed positions, padding included: K ranks' micro-batches are padded apart."""
+
+
 def _flat(sd: dict[str, torch.Tensor], plain: torch.nn.Module) -> torch.Tensor:
     """The parameters in ``plain.named_parameters()`` order, from a (full) state dict."""
     return torch.cat([sd[name].detach().float().flatten() for name, _ in plain.named_parameters()])
@@ -205,6 +209,9 @@ def test_two_ranks_match_one_process(
     for step, (w, g) in enumerate(zip(want["metrics"], got["metrics"], strict=True)):
         assert set(w) == set(g), step
         for key in w:
+            if key in LAYOUT_DEPENDENT:  # the work done: each rank pads its own micro-batches
+                assert g[key] > 0 and w[key] > 0, (step, key)
+                continue
             assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-6), (step, key)
     assert w["update/packed"] == (1.0 if c["packing"] == "on" else 0.0)
     diff = (got["params"] - want["params"]).abs()

@@ -197,6 +197,10 @@ def test_a_rank_without_prompts_still_takes_part(tiny_model_dir: Path, tmp_path:
     _spawn(tiny_model_dir, out=str(out), steps=1, **{**RUN, "prompts_per_step": 1})
     rows = _rows(out)
     assert rows[1]["rollout/trajectories"] == 4 and rows[1]["update/packed"] == 1.0
+    # the model work, summed over the ranks (rank 1 sampled nothing and adds zeros)
+    assert rows[1]["engine/prefill_positions"] >= rows[1]["budget/prefill_tokens"] > 0
+    assert 0 < rows[1]["engine/decode_positions"] < rows[1]["budget/generated_tokens"]
+    assert rows[1]["update/positions"] >= rows[1]["update/tokens_packed"] > 0
 
 
 def test_nproc_launches_torchrun(tiny_model_dir: Path, tmp_path: Path) -> None:

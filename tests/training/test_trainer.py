@@ -150,3 +150,26 @@ def test_token_matched_run_and_dense_curve(tiny_model_dir: Path, tmp_path: Path)
     assert s.generated_tokens == tokens[-1]
     forest = json.loads((tmp_path / "run" / "rollouts" / "step_00004.jsonl").read_text().splitlines()[0])
     assert forest["token_limit"] > 0
+
+
+def test_work_counters_in_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One tree step logs the engine's and the update's model work; prefix reuse off runs more
+    prefill positions (every context in full), packing off more update positions (every path
+    padded to the longest). Same seed: both runs sample the same forests."""
+    keys = ("engine/prefill_positions", "engine/decode_steps", "engine/decode_positions", "update/positions")
+    rows = {}
+    for name, kw in (("on", {}), ("off", {"engine_options": {"prefix_reuse": False}, "packing": "off"})):
+        out = tmp_path / name
+        train(small_cfg(out, steps=1, save_every=0, **kw), parts=parts_for(tiny_model_dir), eval_start={"eval/success_greedy": 0.0})
+        rows[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        for key in keys:
+            assert rows[name][key] > 0, key
+        r = rows[name]
+        assert r["engine/prefill_positions"] >= r["budget/prefill_tokens"]  # padding included
+        assert r["engine/decode_steps"] <= r["engine/decode_positions"] < r["budget/generated_tokens"]
+    on, off = rows["on"], rows["off"]
+    assert on["budget/generated_tokens"] == off["budget/generated_tokens"]  # the same rollouts
+    assert off["engine/prefill_positions"] > on["engine/prefill_positions"]
+    assert off["budget/prefill_tokens"] > on["budget/prefill_tokens"]
+    assert on["update/packed"] == 1.0 and off["update/packed"] == 0.0
+    assert off["update/positions"] > on["update/positions"] >= on["update/tokens_packed"]

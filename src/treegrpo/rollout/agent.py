@@ -28,7 +28,7 @@ import torch
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env, check_outcomes
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
-from treegrpo.rollout.engine import Engine, Generation, SamplingParams
+from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
 from treegrpo.rollout.templates import check_tool_template, rerender_note
 from treegrpo.rollout.toolcall import end_of_turn_ids
@@ -121,18 +121,30 @@ class Budget:
 
 @dataclass
 class RolloutResult:
-    """Forests (one per task, in task order), their per-prompt budgets, and batch-level costs."""
+    """Forests (one per task, in task order), their per-prompt budgets, and batch-level costs.
+
+    ``engine_stats``: the model work the engine did for this rollout (padding included, see
+    :class:`~treegrpo.rollout.engine.EngineStats`), when the engine counts it and the caller
+    measured it (the trainer does, around the sampler: :meth:`count_engine`); ``None`` otherwise."""
 
     forests: list[Forest]
     budgets: list[Budget]
     engine_calls: int = 0
     wall_s: float = 0.0
+    engine_stats: EngineStats | None = None
 
     def total(self) -> Budget:
         out = Budget()
         for b in self.budgets:
             out.add(b)
         return out
+
+    def count_engine(self, before: EngineStats | None, after: EngineStats | None) -> RolloutResult:
+        """Record the engine's work between two readings of :func:`~treegrpo.rollout.engine.engine_stats`
+        (taken before and after the sampler ran; nothing when the engine keeps no stats)."""
+        if before is not None and after is not None:
+            self.engine_stats = after - before
+        return self
 
 
 @dataclass

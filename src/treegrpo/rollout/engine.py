@@ -14,6 +14,7 @@ imported unless ``"vllm"`` is asked for).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,11 +28,13 @@ __all__ = [
     "ENGINE_NAMES",
     "Engine",
     "EngineOptionError",
+    "EngineStats",
     "FinishReason",
     "Generation",
     "SamplingParams",
     "UnknownEngineError",
     "check_request",
+    "engine_stats",
     "make_engine",
     "release_engine_cache",
 ]
@@ -110,14 +113,64 @@ class Generation:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class EngineStats:
+    """The model work an engine did, as running totals (an engine's ``stats``; read them with
+    :func:`engine_stats`, and subtract two readings for the work in between).
+
+    Unlike :attr:`Generation.prefill_tokens` (the exact non-pad charge of the budget), these count
+    what the model computed, padding included. KV reused from the prefix cache is not computed and
+    not counted.
+
+    Attributes:
+        prefill_positions: positions run through the model in prefill forwards (rows × padded
+            width of each forward, the in-call shared prefixes' forwards included).
+        decode_steps: batched decode forwards (one per generated position of a batch);
+            ``None`` where the engine cannot see them (vLLM).
+        decode_positions: rows × positions computed in decode forwards (a row is counted for every
+            decode forward it is in).
+    """
+
+    prefill_positions: int = 0
+    decode_steps: int | None = 0
+    decode_positions: int = 0
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: EngineStats) -> EngineStats:
+        return self._combine(other, -1)
+
+    def _combine(self, other: EngineStats, sign: int) -> EngineStats:
+        out: dict[str, int | None] = {}
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = None if a is None or b is None else a + sign * b
+        return EngineStats(**out)
+
+    def metrics(self) -> dict[str, float]:
+        """``engine/<field>`` for every counted field (a ``None`` one is left out)."""
+        return {f"engine/{k}": float(v) for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def engine_stats(engine: object) -> EngineStats | None:
+    """A copy of the engine's running :class:`EngineStats` (its optional ``stats`` attribute, see
+    :class:`Engine`), or ``None`` for an engine that keeps none."""
+    stats = getattr(engine, "stats", None)
+    return dataclasses.replace(stats) if isinstance(stats, EngineStats) else None
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Samples steps for a batch of contexts in one call.
 
-    Optional method (not part of the structural check, so engines without it still qualify):
-    ``release_cache() -> None`` frees whatever KV the engine keeps between calls for prefix reuse.
-    Samplers call it through :func:`release_engine_cache` when a rollout ends; an engine must stay
-    correct without it (it only bounds memory).
+    Optional members (not part of the structural check, so engines without them still qualify):
+
+    * ``release_cache() -> None`` frees whatever KV the engine keeps between calls for prefix
+      reuse. Samplers call it through :func:`release_engine_cache` when a rollout ends; an engine
+      must stay correct without it (it only bounds memory).
+    * ``stats:`` :class:`EngineStats`, the model work done so far, never reset (the trainer logs
+      the difference over a rollout as ``engine/*``; read it through :func:`engine_stats`).
     """
 
     eos_token_id: int | None

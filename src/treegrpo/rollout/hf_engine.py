@@ -42,6 +42,15 @@ generations is exactly the number of prefill positions computed in that call. To
 the store were counted when they were computed (as prefill, or as generated tokens fed back
 during decode). A fully stored context still prefills its last token (1).
 
+:attr:`HFEngine.stats` (:class:`~treegrpo.rollout.engine.EngineStats`, running totals) counts what
+the model computed instead, padding included: ``prefill_positions`` adds rows × padded suffix width
+of every prefill forward (each length bucket, each in-call shared-prefix forward), so it is
+Σ ``prefill_tokens`` plus the prefill padding; ``decode_steps`` adds one per decode forward and
+``decode_positions`` its rows. A finished row leaves the batch before the next decode forward,
+so ``decode_positions`` is Σ (``len(tokens)`` − 1) over the requests (the last sampled token is
+never fed back) and ``decode_steps`` the longest step less one, per batch (``max_batch_size``
+chunk).
+
 *Memory* — the store is bounded by ``prefix_cache_mb``: at the end of every ``generate`` call the
 least-recently-used leaves are evicted until it fits (``0`` keeps nothing between calls, but
 in-call sharing still works). It is emptied by :meth:`HFEngine.release_cache` (the samplers call
@@ -70,7 +79,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from treegrpo.rollout.engine import Generation, SamplingParams, check_request
+from treegrpo.rollout.engine import EngineStats, Generation, SamplingParams, check_request
 from treegrpo.rollout.hf_cache import DECODE_ROOM, row_kv, supports_prefix_reuse
 from treegrpo.rollout.hf_decode import (
     EOS,
@@ -137,6 +146,8 @@ class HFEngine:
         self.prefix_reuse = prefix_reuse
         self.prefix_cache_mb = prefix_cache_mb
         self.prefix_cache = PrefixCache(max_bytes=int(prefix_cache_mb * 2**20))
+        self.stats = EngineStats()
+        """The model work done so far (module docstring, *What is counted*); never reset."""
         self._cache_weights_key: tuple[tuple[int, int], ...] | None = None
         self.model: torch.nn.Module
         self.load_weights(model)
@@ -151,7 +162,7 @@ class HFEngine:
         self.eos_ids = eos_ids(model, self.tokenizer)
         self.eos_token_id: int | None = self.eos_ids[0] if self.eos_ids else None
         self.pad_token_id = pad_id(model, self.tokenizer, self.eos_ids)
-        self._fwd = HFForward.of(model, self.pad_token_id, self.device)
+        self._fwd = HFForward.of(model, self.pad_token_id, self.device, self.stats)
         self.max_positions: int | None = getattr(
             getattr(model, "config", None), "max_position_embeddings", None
         )
@@ -330,7 +341,7 @@ class HFEngine:
                 cache.batch_select_indices(keep)
 
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            logits = self._fwd(tok[:, None], mask, next_pos[:, None], cache, last_only=True)
+            logits = self._fwd.decode(tok, mask, next_pos, cache)
             next_pos = next_pos + 1
 
         tokens_l = out_tokens.tolist()

@@ -31,12 +31,13 @@ from __future__ import annotations
 import bisect
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from treegrpo.rollout.engine import EngineStats
 from treegrpo.rollout.hf_cache import assemble_batch, growing_cache, merge_prefills, row_kv
 from treegrpo.rollout.prefix_cache import PrefixCache, common_prefix_len
 
@@ -81,19 +82,26 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
 @dataclass(frozen=True, eq=False)
 class HFForward:
     """How to run one causal LM: its cache kwarg name, whether it takes ``logits_to_keep``, the
-    pad id and device of its input batches.
+    pad id and device of its input batches, and the engine's :class:`EngineStats`, which every
+    forward adds to (:meth:`prefill`: rows × padded width; :meth:`decode`: one step of its rows).
 
-    Build with :meth:`of`; the engine makes a new one whenever it is pointed at a module."""
+    Build with :meth:`of`; the engine makes a new one whenever it is pointed at a module (the
+    stats object stays the engine's)."""
 
     model: torch.nn.Module
     pad_id: int
     device: torch.device
     cache_kwarg: str
     has_logits_to_keep: bool
+    stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, pad_id: int, device: torch.device) -> HFForward:
-        return cls(model, pad_id, device, cache_kwarg_name(model), accepts(model, "logits_to_keep"))
+    def of(
+        cls, model: torch.nn.Module, pad_id: int, device: torch.device, stats: EngineStats | None = None
+    ) -> HFForward:
+        return cls(
+            model, pad_id, device, cache_kwarg_name(model), accepts(model, "logits_to_keep"), stats or EngineStats()
+        )
 
     @property
     def config(self) -> Any:
@@ -148,8 +156,19 @@ class HFForward:
         position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         position_ids = position_ids[:, -input_ids.shape[1] :]
         logits = self(input_ids, attention_mask, position_ids, cache, last_only=True)
+        self.stats.prefill_positions += input_ids.numel()  # every row of the padded width: computed
         next_pos = attention_mask.long().sum(dim=-1)
         return logits, cache, next_pos
+
+    def decode(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """One decode step: feed each row's last sampled token ``tokens`` ``(B,)`` at ``positions``
+        ``(B,)`` (``attention_mask`` already covers it); returns the next logits ``(B, V)``."""
+        logits = self(tokens[:, None], attention_mask, positions[:, None], cache, last_only=True)
+        self.stats.decode_steps = (self.stats.decode_steps or 0) + 1
+        self.stats.decode_positions += tokens.shape[0]
+        return logits
 
 
 def length_buckets(

@@ -27,6 +27,11 @@ What it does, per :class:`~treegrpo.rollout.engine.Engine` contract:
 * **Prefill accounting** — ``enable_prefix_caching=True``; ``prefill_tokens = len(context) -
   RequestOutput.num_cached_tokens`` and ``extra["cached_tokens"]`` = the prefix-cache hit (vLLM
   caches whole blocks, ``block_size`` tokens, and always recomputes at least the last prompt token).
+  :attr:`VLLMEngine.stats` (:class:`~treegrpo.rollout.engine.EngineStats`) is read off the outputs,
+  since vLLM exposes no forward counts: ``prefill_positions`` = Σ ``prefill_tokens`` (vLLM batches
+  without padding), ``decode_positions`` = Σ (``len(tokens)`` − 1) (every sampled token but the
+  last is fed back), ``decode_steps`` unknown (``None``: its scheduler mixes requests' prefill and
+  decode in one forward). A preempted request's recomputation is not seen.
 * **Weight sync** — :meth:`VLLMEngine.load_weights` remembers the module and pushes its weights
   whenever they changed since the last push (parameters' in-place version counters), and
   :meth:`VLLMEngine.generate` does the same check first, so the engine always samples from the
@@ -74,7 +79,7 @@ import torch
 
 from treegrpo.errors import ConfigError
 from treegrpo.models.lora import merged_state_dict
-from treegrpo.rollout.engine import Generation, SamplingParams, check_request
+from treegrpo.rollout.engine import EngineStats, Generation, SamplingParams, check_request
 from treegrpo.rollout.vllm_outputs import LOGPROBS_MODE, check_logprobs_mode, eos_ids, to_generation
 from treegrpo.rollout.vllm_weights import (
     chunks,
@@ -189,6 +194,8 @@ class VLLMEngine:
         self.weight_transform = weight_transform
         self.asleep = False
         self.syncs = 0  # weight pushes done (each a full state dict)
+        self.stats = EngineStats(decode_steps=None)
+        """Model work so far, as far as vLLM's outputs show it (module docstring): no decode steps."""
         self._source: torch.nn.Module | None = None
         self._pushed: tuple[int, ...] | None = None  # versions of the source at the last push
         self._reload: bool | None = None  # whether the workers have reload_weights (probed once)
@@ -356,7 +363,10 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
         if len(outputs) != len(contexts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(contexts)} requests")
-        return [to_generation(o, len(c), self.eos_ids) for o, c in zip(outputs, contexts, strict=True)]
+        gens = [to_generation(o, len(c), self.eos_ids) for o, c in zip(outputs, contexts, strict=True)]
+        self.stats.prefill_positions += sum(g.prefill_tokens for g in gens)
+        self.stats.decode_positions += sum(max(len(g.tokens) - 1, 0) for g in gens)
+        return gens
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Sample from ``model`` from now on: push its weights if they changed since the last push

@@ -222,12 +222,14 @@ class Parallel:
         metrics and the written forests; each rank trains on its own)."""
         if not self.active:
             return result
-        parts = self.gather((result.forests, result.budgets, result.engine_calls, result.wall_s))
+        parts = self.gather((result.forests, result.budgets, result.engine_calls, result.wall_s, result.engine_stats))
+        stats = [p[4] for p in parts if p[4] is not None]
         return type(result)(
             unshard([p[0] for p in parts]),
             unshard([p[1] for p in parts]),
             sum(p[2] for p in parts),
             max(p[3] for p in parts),
+            sum(stats[1:], stats[0]) if len(stats) == len(parts) else None,  # every rank's engine work
         )
 
     def slowest(self, *seconds: float) -> list[float]:

@@ -9,7 +9,8 @@ from treegrpo.training.config import TrainConfig
 
 
 def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
-    """Reward, trajectory shape and budget figures of one rollout batch."""
+    """Reward, trajectory shape and budget figures of one rollout batch, and the engine's model work
+    (``engine/*``, :meth:`~treegrpo.rollout.engine.EngineStats.metrics`) when it was counted."""
     leaves = [leaf for f in result.forests for _, leaf in f.leaves()]
     rewards = [float(leaf.reward or 0.0) for leaf in leaves]
     b = result.total()
@@ -39,6 +40,7 @@ def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
         "budget/context_overflows": b.context_overflows,
         "budget/tool_calls_per_traj": b.tool_calls / max(1, n_traj),
         "budget/traj_per_1k_tokens": 1000.0 * n_traj / max(1, b.generated_tokens),
+        **(result.engine_stats.metrics() if result.engine_stats is not None else {}),  # engine/*: padding too
     }
 
 

@@ -23,7 +23,7 @@ from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.models.loader import MARKER_FILE, LoadedModel
 from treegrpo.rollout.agent import RolloutResult, StepRunner
-from treegrpo.rollout.engine import make_engine
+from treegrpo.rollout.engine import engine_stats, make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
 from treegrpo.tasks.custom import UserObjects
 from treegrpo.training.checkpoint import (
@@ -220,7 +220,9 @@ def train(
             t0, c0 = time.perf_counter(), time.process_time()
             engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
+            before = engine_stats(engine)  # the engine's model work so far (None: it counts none)
             result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
+            result.count_engine(before, engine_stats(engine))  # this rollout's: engine/* metrics
             t1, c1 = time.perf_counter(), time.process_time()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = _advantages(result, estimator, adv_cfg, parts.env)

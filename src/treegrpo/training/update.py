@@ -105,8 +105,12 @@ def update(
         log: where the one-line packing fallback notice goes (default: the ``treegrpo.training`` logger).
 
     Returns:
-        metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0) and
-        ``rollout/logprob_diff``.
+        metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0),
+        ``rollout/logprob_diff`` and ``update/positions``: the positions the training forwards ran
+        (each micro-batch's rows × padded width, packed or per path), summed over the mini-batches
+        (the no-grad forwards of the reference and old log-probs, when there are any, are not in it);
+        packed, also ``update/tokens_packed`` (real packed tokens) and ``update/tokens_paths`` (what
+        a per-path update would compute, unpadded).
     """
     strict = cfg.packing == "on"
     par = policy.parallel
@@ -209,7 +213,7 @@ def update_packed(
         else None
     )
     tally = _Tally(len(plans))
-    tokens_paths = tokens_packed = 0
+    tokens_paths = tokens_packed = positions = 0
     grad_model = policy.grad_module()
     for k, plan in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
@@ -238,11 +242,16 @@ def update_packed(
                 tally.add("actor/entropy", float((ent * mb.count_B_L).sum()) / max(mb.count_total, 1.0))
             tokens_paths += mb.n_path_tokens
             tokens_packed += mb.n_packed_tokens
+            positions += mb.input_ids_B_L.numel()  # the rows with their padding: what the forward ran
             del lp, ent, loss  # this micro-batch's graph, before the next forward
         tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    tokens = {"update/tokens_paths": float(tokens_paths), "update/tokens_packed": float(tokens_packed)}
-    return tally.metrics(par, tokens)  # tokens_paths: what a per-path update would compute
+    tokens = {
+        "update/tokens_paths": float(tokens_paths),
+        "update/tokens_packed": float(tokens_packed),
+        "update/positions": float(positions),
+    }
+    return tally.metrics(par, tokens)  # tokens_paths: what a per-path update would compute (unpadded)
 
 
 @torch.no_grad()
@@ -311,11 +320,13 @@ def update_paths(
             mbs.extend([] for _ in range(n_mb - len(mbs)))
     tally = _Tally(len(minis))
     grad_model = policy.grad_module()
+    positions = 0
     for mbs, norm in zip(micro, norms, strict=True):
         optimizer.zero_grad(set_to_none=True)
         ratio_max = 0.0
         for j, ids in enumerate(mbs):
             mb = collate([seqs[i] for i in ids] if ids else [_EMPTY], pad_id).to(cfg.device)
+            positions += mb.input_ids_B_T.numel()  # the rows with their padding: what the forward ran
             with policy.sync(last=j == len(mbs) - 1):
                 lp, ent = token_logprobs(
                     grad_model, mb, with_entropy=True, temperature=temp, chunk_tokens=chunk, entropy_grad=ent_grad
@@ -344,7 +355,7 @@ def update_paths(
             del lp, ent, loss  # this micro-batch's graph, before the next forward
         tally.step(model, optimizer, cfg.grad_clip, ratio_max)
     model.eval()
-    return tally.metrics(par)
+    return tally.metrics(par, {"update/positions": float(positions)})
 
 
 class _Tally:
