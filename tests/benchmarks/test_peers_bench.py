@@ -21,7 +21,17 @@ from test_result_schemas import committed, shape_problems
 from typer.testing import CliRunner
 
 from treegrpo.benchmarks.peers import LOSS_PAIRS, ROWS, SPEC_OWNED, PeersSpec, job_config, run_bench
-from treegrpo.benchmarks.peers_report import TARGETS, checks, steps_median, summarize
+from treegrpo.benchmarks.peers_report import (
+    DOCS_BEGIN,
+    DOCS_END,
+    README_PREFIX,
+    TARGETS,
+    checks,
+    markdown,
+    readme_row,
+    steps_median,
+    summarize,
+)
 from treegrpo.cli import app
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import load_tokenizer
@@ -298,3 +308,47 @@ def test_cli_bad_loss_is_one_line() -> None:
     res = CliRunner().invoke(app, ["bench", "peers", "--model", "unused", "--loss", "nope"])
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "--loss" in lines[0] and "Traceback" not in res.output
+
+
+def test_prepare_only_writes_the_single_turn_files_and_the_warmup_command(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["bench", "peers", "--model", str(smollm2_2layer_dir), "--work", str(tmp_path / "w"),
+                                   "--eval-prompts", "4", "--prepare-only"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    job = tmp_path / "w" / "job"
+    demos = [json.loads(x) for x in (job / "single_turn_demos.jsonl").read_text().splitlines()]
+    train = [json.loads(x) for x in (job / "single_turn_train.jsonl").read_text().splitlines()]
+    assert len((job / "single_turn_eval.jsonl").read_text().splitlines()) == 4
+    # from the training split's last 400 questions, in order, only those whose passages hold the answer
+    window = {r["id"]: r for r in train[-400:]}
+    assert 0 < len(demos) <= 96 and all(d["id"] in window for d in demos)
+    assert all(d["question"] == window[d["id"]]["question"] and d["answers"][0].lower() in d["question"].lower() for d in demos)
+    assert [d["id"] for d in demos] == [i for i in window if i in {d["id"] for d in demos}]
+    flat = " ".join(res.output.split())
+    assert "treegrpo warmup" in flat and "--demos" in flat and str(job / "single_turn_demos.jsonl") in flat
+
+
+def test_docs_tables_are_the_committed_results(tmp_path: Path) -> None:
+    """docs/benchmarks.md's tables and the README's row are what ``--write-docs`` makes from the
+    committed peers.json: regenerated from the JSON, never edited by hand."""
+    root = Path(__file__).resolve().parents[2]
+    results = committed("peers.json")
+    docs, readme = (root / "docs" / "benchmarks.md").read_text(), (root / "README.md").read_text()
+    assert f"{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}" in docs
+    assert readme_row(results) + "\n" in readme
+    # --write-docs rewrites a copy in place (and a file without the markers is a one-line error)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text(f"intro\n{DOCS_BEGIN}\nold\n{DOCS_END}\nafter\n")
+    (tmp_path / "README.md").write_text(f"| a | b |\n{README_PREFIX} old row |\n")
+    (tmp_path / "peers.json").write_text(json.dumps(results))
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", "peers.json"])
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / "docs" / "benchmarks.md").read_text() == f"intro\n{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}\nafter\n"
+        assert (tmp_path / "README.md").read_text() == f"| a | b |\n{readme_row(results)}\n"
+        (tmp_path / "docs" / "benchmarks.md").write_text("no markers\n")
+        res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", "peers.json"])
+        assert res.exit_code == 2 and "markers" in res.output and "Traceback" not in res.output
+    finally:
+        os.chdir(cwd)

@@ -356,7 +356,7 @@ def bench_scale_cmd(
 
 @bench.command("peers")
 def bench_peers_cmd(
-    model: str = typer.Option(..., help="The single-turn job's starting folder both sides load: a `treegrpo warmup --demos WORK/job/single_turn_demos.jsonl` output (docs/benchmarks.md)."),
+    model: str | None = typer.Option(None, help="Required (but with --write-docs): the single-turn job's starting folder both sides load: a `treegrpo warmup --demos WORK/job/single_turn_demos.jsonl` output (docs/benchmarks.md)."),
     tools_model: str | None = typer.Option(None, help="The multi-turn job's starting folder: a `treegrpo warmup --protocol tools --chat-template chatml-tools` output (default: --model)."),
     out: Path = typer.Option(Path("benchmarks/results/peers.json"), help="Results JSON (plot next to it, .png)."),
     work: Path = typer.Option(Path("runs/bench-peers"), help="Work folder: the job files and one folder per row (a finished row is reused)."),
@@ -381,25 +381,39 @@ def bench_peers_cmd(
     jobs: str = typer.Option("single_turn,multi_turn", help="Comma-separated jobs."),
     rows: str = typer.Option("", help="Comma-separated rows (default: all of the jobs'): single_turn/trl, single_turn/chain, single_turn/chain_no_sharing, single_turn/chain_no_packing, multi_turn/trl, multi_turn/chain, multi_turn/tree_2_2_1, multi_turn/tree_2_2_1_no_sharing, multi_turn/tree_2_2_1_no_packing."),
     sets: list[str] = typer.Option([], "--set", help="Any TrainConfig field of the treegrpo rows and every evaluation: --set key=value."),
+    write_docs: bool = typer.Option(False, "--write-docs", help="No run: rewrite the tables of docs/benchmarks.md and the README's row from --out's results."),
+    prepare_only: bool = typer.Option(False, "--prepare-only", help="Only write the single-turn job's files into WORK/job (its questions with their passages and the warm-up demonstrations) and print the warm-up command."),
 ) -> None:
     """TRL's GRPOTrainer vs treegrpo on the same jobs (same starting folder, prompts and order, G,
     token cap, lr, no KL, the same loss, the same allocator setting; the multi-turn job through
     TRL's tools=): CPU-seconds per trajectory, work per phase, completion lengths, peak RSS per row
     (each in its own process, repeats interleaved), held-out EM before/after, paired by seed."""
-    from treegrpo.benchmarks.peers import ROWS, PeersSpec, run_bench
+    from treegrpo.benchmarks.peers import ROWS, PeersSpec, prepare_single_turn, run_bench
     from treegrpo.errors import ConfigError
     from treegrpo.training.config import parse_set
 
+    if model is None and not write_docs:
+        _fail("error: --model is required: the single-turn job's starting folder (docs/benchmarks.md)", code=2)
     try:
         spec = PeersSpec(
-            model=model, tools_model=tools_model, repeats=repeats, malloc_mmap_threshold=malloc_mmap_threshold,
+            model=model or "", tools_model=tools_model, repeats=repeats, malloc_mmap_threshold=malloc_mmap_threshold,
             data=data, eval_data=eval_data, corpus=corpus, topk=topk, max_turns=max_turns,
             max_obs_tokens=max_obs_tokens, max_context_tokens=max_context_tokens, steps=steps, eval_prompts=eval_prompts,
             prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
             loss=loss, seed=seed, threads=threads, jobs=tuple(j.strip() for j in jobs.split(",") if j.strip()),
             rows=tuple(r.strip() for r in rows.split(",") if r.strip()) or tuple(ROWS), overrides=parse_set(sets),
         )  # fmt: skip
-        run_bench(spec, work, out, log=_log)
+        if write_docs:
+            import json
+
+            from treegrpo.benchmarks.peers_report import write_docs as rewrite
+
+            rewrite(json.loads(out.read_text()), Path("docs/benchmarks.md"), Path("README.md"))
+            _log(f"rewrote the bench peers tables of docs/benchmarks.md and README.md from {out}")
+        elif prepare_only:
+            prepare_single_turn(spec, work, log=_log)
+        else:
+            run_bench(spec, work, out, log=_log)
     except ConfigError as e:
         _fail(f"error: {e}")
     except RuntimeError as e:  # a row failed: its log's tail under the one-line error

@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from treegrpo.training.warmup import WARMUP_RECORD
 JOBS = ("single_turn", "multi_turn")
 #: Warm-up demonstrations written for the single-turn job (:func:`single_turn_demos`).
 DEMOS = 96
+DEMO_WINDOW = 400
 #: treegrpo ``agg_mode`` -> the TRL ``loss_type`` that computes the same loss (with one optimizer
 #: step per generation batch): ``dapo`` (TRL's default) and ``bnpo`` are both the token mean over the
 #: batch's completion tokens; ``grpo`` the mean over sequences of their token mean; ``dr_grpo`` the
@@ -239,14 +240,14 @@ def _write_jsonl(path: Path, tasks: Sequence[Task]) -> None:
     atomic_write_text(path, "\n".join(rows) + "\n")
 
 
-def single_turn_demos(tasks: Sequence[Task], n: int) -> list[dict[str, Any]]:
-    """Warm-up demonstrations of the single-turn job (``treegrpo warmup --demos``): the last ``n``
-    questions of ``tasks`` (the training split's end, which a short bench rarely draws) whose passages
-    hold their first answer, answered in one step; the warm-up follows each with the end-of-turn
-    token, so the model learns to stop after ``</answer>`` by itself (both sides stop alike)."""
-    good = [t for t in tasks if t.answers and t.answers[0].lower() in t.question.lower()]
+def single_turn_demos(tasks: Sequence[Task], n: int, window: int = DEMO_WINDOW) -> list[dict[str, Any]]:
+    """Warm-up demonstrations of the single-turn job (``treegrpo warmup --demos``): of the last
+    ``window`` questions of ``tasks`` (the training split's end, which a short bench rarely draws),
+    the first ``n`` whose passages hold their first answer, answered in one step; the warm-up follows
+    each with the end-of-turn token, so the model learns to stop after ``</answer>`` by itself."""
+    good = [t for t in tasks[-window:] if t.answers and t.answers[0].lower() in t.question.lower()]
     return [{"id": t.id, "question": t.question, "answers": t.answers, "steps": [f"<answer> {t.answers[0]} </answer>"]}
-            for t in good[-n:]]  # fmt: skip
+            for t in good[:n]]  # fmt: skip
 
 
 def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
@@ -292,6 +293,22 @@ def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
             "eval_questions": len(job_eval[: spec.eval_prompts]),
         }  # fmt: skip
     return out
+
+
+def prepare_single_turn(spec: PeersSpec, work: Path, log: Log) -> Path:
+    """Write the single-turn job's files into ``work/job`` (:func:`prepare_jobs`, the same the bench
+    writes with these settings) and log the warm-up command of its starting folder; returns the
+    demonstrations file."""
+    spec.check()
+    prepare_jobs(replace(spec, jobs=("single_turn",)), work, log)
+    job = work / "job"
+    log(
+        f"wrote {job}; warm the single-turn job's starting folder up with:\n  treegrpo warmup --model {spec.model} "
+        f"--demos {job / 'single_turn_demos.jsonl'} --data {job / 'single_turn_train.jsonl'} "
+        f"--eval-data {job / 'single_turn_eval.jsonl'} --corpus {spec.corpus} --set max_turns=0 "
+        f"--set prompt_template='{{question}}' --set max_step_tokens={spec.max_new_tokens} --eval-prompts 32 --out runs/peers-single-warm"
+    )
+    return job / "single_turn_demos.jsonl"
 
 
 def run_row(task: dict[str, Any], folder: Path, key: str, log: Log, env: dict[str, str]) -> dict[str, Any]:

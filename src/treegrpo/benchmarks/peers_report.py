@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.runner import pyplot, save_figure
+from treegrpo.errors import ConfigError
 
 #: The issue's targets (this 2-core CPU, side by side in one run): (row, over row, figure, op, bound).
 TARGETS: dict[str, tuple[str, str, str, str, float]] = {
@@ -325,3 +326,27 @@ def readme_row(results: dict[str, Any]) -> str:
         f"trajectories per 1k generated tokens, chain {r('multi_turn_cpu_per_trajectory')} its CPU-s per trajectory "
         "(medians over repeats, docs/benchmarks.md) | `treegrpo bench peers` (command in docs/benchmarks.md) |"
     )
+
+
+#: The markers around the generated tables in docs/benchmarks.md.
+DOCS_BEGIN = "<!-- bench peers tables: made by `treegrpo bench peers --write-docs` from benchmarks/results/peers.json -->"
+DOCS_END = "<!-- end of the bench peers tables -->"
+#: The start of the README's results row (the row is replaced whole).
+README_PREFIX = "| treegrpo vs TRL `GRPOTrainer`"
+
+
+def write_docs(results: dict[str, Any], docs: Path, readme: Path) -> None:
+    """Replace the tables between :data:`DOCS_BEGIN` and :data:`DOCS_END` in ``docs`` with
+    :func:`markdown` of ``results``, and the README row starting with :data:`README_PREFIX` with
+    :func:`readme_row`; a file without its marker or row is an error naming it."""
+    text = docs.read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ConfigError(f"{docs}: no generated-tables markers ({DOCS_BEGIN} ... {DOCS_END}); add them where the tables go")
+    head, rest = text.split(DOCS_BEGIN, 1)
+    docs.write_text(f"{head}{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}{rest.split(DOCS_END, 1)[1]}")
+    lines = readme.read_text().splitlines(keepends=True)
+    at = [i for i, x in enumerate(lines) if x.startswith(README_PREFIX)]
+    if len(at) != 1:
+        raise ConfigError(f"{readme}: expected one results row starting with {README_PREFIX!r}, found {len(at)}")
+    lines[at[0]] = readme_row(results) + "\n"
+    readme.write_text("".join(lines))
