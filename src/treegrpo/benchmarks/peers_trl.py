@@ -126,9 +126,9 @@ TRL_TOOLS_DIFFERENCES: list[dict[str, str]] = [
             "counted per step (tool_results_over_obs_cap; topk=3 wiki-vital passages are ~300-550 tokens)"},
     {"setting": "prefill of later turns",
      "trl": "each tool round's generate call runs the whole context of every trajectory with a call again "
-            "(prompt + earlier turns + results, left-padded to the longest): prefill_positions",
+            "(prompt + earlier turns + results, left-padded to the longest): prefill_positions, padding included",
      "treegrpo": "its engine keeps each trajectory's KV between turns and a prompt's across its group (prefix "
-                 "reuse): budget/prefill_tokens counts what it computed",
+                 "reuse): budget/prefill_tokens counts the non-pad positions it computed",
      "why": "what is measured: each side's own way of running the same job"},
     {"setting": "the messages the reward reads",
      "trl": "parse_response's assistant messages (content without the calls and the end-of-turn token) and "
