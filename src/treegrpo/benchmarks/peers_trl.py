@@ -83,8 +83,8 @@ TRL_TOOLS_DIFFERENCES: list[dict[str, str]] = [
      "trl": "none: each generate call of the tool loop may write up to max_completion_length new tokens, then the "
             "turn is cut to what is left of the completion budget; a turn cut before <|im_end|> is still parsed, "
             "and a complete <tool_call> in it runs (the results follow the cut turn)",
-     "treegrpo": "max_step_tokens per turn; a turn cut there (no end-of-turn token) ends the trajectory unrun, "
-                 "scored as it stands",
+     "treegrpo": "max_step_tokens per turn; a turn cut there (no end-of-turn token) ends the trajectory, its "
+                 "calls not run, scored as it stands",
      "why": "TRL's tool loop has no per-turn setting (max_completion_length bounds the whole multi-turn completion; "
             "GRPOConfig.generation_kwargs={'max_new_tokens': ...} would cap every generate call but is not set: the "
             "row runs TRL's tool loop as it is). A warmed-up model ends its turns at <|im_end|> by itself"},
@@ -123,7 +123,8 @@ TRL_TOOLS_DIFFERENCES: list[dict[str, str]] = [
      "trl": "the tool's result text in full",
      "treegrpo": "each result cut to max_obs_tokens tokens (marked ' …')",
      "why": "TRL has no cap on a tool result; how often treegrpo's cap would have cut one in the TRL row is "
-            "counted per step (tool_results_over_obs_cap; topk=3 wiki-vital passages are ~300-550 tokens)"},
+            "counted per step (tool_results_over_obs_cap; the default 600 fits topk=3 wiki-vital passages: p99 556 "
+            "tokens with SmolLM2's tokenizer)"},
     {"setting": "prefill of later turns",
      "trl": "each tool round's generate call runs the whole context of every trajectory with a call again "
             "(prompt + earlier turns + results, left-padded to the longest): prefill_positions, padding included",
