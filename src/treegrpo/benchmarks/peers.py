@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
+from treegrpo.benchmarks.peers_trl import TRL_TOOLS_DIFFERENCES
 from treegrpo.benchmarks.provenance import model_hash, provenance
 from treegrpo.benchmarks.runner import Log, digest, finished_row, keep_row, run_measured, write_result
 from treegrpo.envs.base import Task
@@ -72,11 +73,13 @@ SINGLE_TURN_PROMPT = (
 )
 #: Where the two sides differ and why (the rest is the same; ``settings`` of each row records both).
 DIFFERENCES: list[dict[str, str]] = [
-    {"setting": "stop at the action tag", "trl": "generates each completion to EOS or max_completion_length",
-     "treegrpo": "stops right after </answer> (or </search>)",
+    {"setting": "where a turn stops", "trl": "at the model's EOS (<|im_end|>, which the warm-up taught after every answer) "
+     "or the completion budget", "treegrpo": "single-turn: right after </answer> (its stop string; the EOS the model "
+     "would write next is not generated); multi-turn: at the end-of-turn token, as TRL",
      "why": "TRL 1.16's transformers path calls generate() without tokenizer=, which transformers needs for "
             "stop_strings (generation_kwargs={'stop_strings': ...} raises ValueError; probed per run: "
-            "settings.probes.stop_strings). Both score the first action of the text with the same env."},
+            "settings.probes.stop_strings); nothing is added on TRL's side. Each row records its completion lengths "
+            "and a ratio is refused when the two sides' means differ by more than 1.3x."},
     {"setting": "prompt shared across the group", "trl": "each prompt is repeated G times in the batch: prefilled and "
      "trained G times", "treegrpo": "prefilled once per prompt (shared-prefix KV) and packed once in the update",
      "why": "what is measured: each side's own way of running the same job"},
@@ -381,7 +384,12 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         },
         "rows": rows,
         "table": table,
-        "settings": {"shared": shared_settings(rows), "differences": DIFFERENCES, "loss_pairs": LOSS_PAIRS},
+        "settings": {
+            "shared": shared_settings(rows),
+            "differences": DIFFERENCES,
+            "differences_multi_turn": TRL_TOOLS_DIFFERENCES,
+            "loss_pairs": LOSS_PAIRS,
+        },
         "prompts": {job: jobs[job]["prompts"] for job in spec.jobs},
         "eval_before": evals,
         "checks": checks(rows),
