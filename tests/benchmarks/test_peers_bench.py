@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +353,17 @@ def test_docs_tables_are_the_committed_results(tmp_path: Path) -> None:
         assert res.exit_code == 2 and "markers" in res.output and "Traceback" not in res.output
     finally:
         os.chdir(cwd)
+
+
+def test_more_repeats_reuse_the_finished_ones(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """Repeat r runs every row with seed + r, and raising --repeats reruns none of the finished."""
+    one = replace(_spec(smollm2_2layer_dir), jobs=("single_turn",), rows=("single_turn/chain",))
+    first = run_bench(one, tmp_path / "w", tmp_path / "one.json", lambda _: None)
+    said: list[str] = []
+    two = run_bench(replace(one, repeats=2), tmp_path / "w", tmp_path / "two.json", said.append)
+    assert sum("reusing" in s for s in said) == 2  # the start evaluation and repeat 0
+    assert two["rows"][0] == first["rows"][0] and [r["repeat"] for r in two["rows"]] == [0, 1]
+    assert [r["settings"]["seed"] for r in two["rows"]] == [0, 1] and two["environment"]["seeds"] == [0, 1]
+    assert two["rows"][1]["settings"]["prompt_ids"] != two["rows"][0]["settings"]["prompt_ids"]
+    (line,) = two["table"]
+    assert line["repeats"] == 2 and line["spread"]["cpu_s_per_trajectory"] is not None

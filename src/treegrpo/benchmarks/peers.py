@@ -1,5 +1,5 @@
 """``treegrpo bench peers``: TRL's ``GRPOTrainer`` and treegrpo on the same job, side by side
-(what is the same on both sides and what differs: docs/benchmarks.md, and :data:`DIFFERENCES`).
+(what is the same on both sides and what differs: docs/benchmarks.md, and :mod:`treegrpo.benchmarks.peers_differences`).
 
 The jobs: ``single_turn`` (the question with its top-``topk`` BM25 passages in the prompt,
 :data:`SINGLE_TURN_PROMPT`, written once to ``work/job/`` with the job's warm-up demonstrations;
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from treegrpo.benchmarks.peers_differences import DIFFERENCES, TRL_TOOLS_DIFFERENCES
 from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
-from treegrpo.benchmarks.peers_trl import TRL_TOOLS_DIFFERENCES
 from treegrpo.benchmarks.provenance import model_hash, provenance
 from treegrpo.benchmarks.runner import Log, digest, finished_row, keep_row, run_measured, write_result
 from treegrpo.envs.base import Task
@@ -71,32 +71,6 @@ SINGLE_TURN_PROMPT = (
     "Answer the given question using the passages below. Give the answer inside <answer> and </answer>, "
     "without detailed illustrations. For example, <answer> Beijing </answer>.\n\n{passages}\n\nQuestion: {question}\n"
 )
-#: Where the two sides differ and why (the rest is the same; ``settings`` of each row records both).
-DIFFERENCES: list[dict[str, str]] = [
-    {"setting": "where a turn stops", "trl": "at the model's EOS (<|im_end|>, which the warm-up taught after every answer) "
-     "or the completion budget", "treegrpo": "single-turn: right after </answer> (its stop string; the EOS the model "
-     "would write next is not generated); multi-turn: at the end-of-turn token, as TRL",
-     "why": "TRL 1.16's transformers path calls generate() without tokenizer=, which transformers needs for "
-            "stop_strings (generation_kwargs={'stop_strings': ...} raises ValueError; probed per run: "
-            "settings.probes.stop_strings); nothing is added on TRL's side. Each row records its completion lengths "
-            "and a ratio is refused when the two sides' means differ by more than 1.3x."},
-    {"setting": "prompt shared across the group", "trl": "each prompt is repeated G times in the batch: prefilled and "
-     "trained G times", "treegrpo": "prefilled once per prompt (shared-prefix KV) and packed once in the update",
-     "why": "what is measured: each side's own way of running the same job"},
-    {"setting": "advantage epsilon", "trl": "(r - mean) / (std + 1e-4), std unbiased", "treegrpo": "(r - mean) / (std + 1e-6), "
-     "std unbiased", "why": "each library's constant; equal when std = 0 (advantage 0) and within 1e-4 relative otherwise"},
-    {"setting": "AdamW implementation", "trl": "optim=adamw_torch_fused (its default)", "treegrpo": "torch.optim.AdamW",
-     "why": "the same update (betas 0.9/0.999, eps 1e-8, weight decay 0); each library's default kernel"},
-    {"setting": "log-probs in the update", "trl": "its fused LM head (trl/trainer/utils.py add_fused_lm_head): off "
-     "CUDA/XPU (no Triton) it scores every prompt and completion position, in chunks of 32768 positions (one chunk "
-     "here: full-vocabulary logits of the whole batch at once); probed per run: settings.probes.lm_head",
-     "treegrpo": "LM head + log-softmax over the policy positions, in chunks of 1024 positions",
-     "why": "each library's own code, not a setting (GRPOConfig has no knob for either); the same values"},
-    {"setting": "set on TRL to match (its defaults differ)", "trl": "lr_scheduler_type=constant, bf16=False, "
-     "shuffle_dataset=False, beta=0, loss_type as LOSS_PAIRS, one optimizer step per generation batch",
-     "treegrpo": "constant lr, float32, the seed's prompt order, kl_coef=0", "why": "the same job: TRL's defaults "
-     "are linear lr decay, bf16 and a shuffled dataset"},
-]  # fmt: skip
 
 
 #: TrainConfig fields the bench sets itself (from the spec's own options, or per job and row):
@@ -349,8 +323,8 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     jobs = prepare_jobs(spec, work, log)
     env = row_environment(spec)
     rows: list[dict[str, Any]] = []
-    keys = {
-        job: digest(asdict(spec) | {"rows": None, "jobs": None}, model_hash(job_model(spec, job)), jobs[job]["orders"],
+    keys = {  # a job's settings; a row's key adds its name, repeat and prompt order (more repeats reuse these)
+        job: digest(asdict(spec) | {"rows": None, "jobs": None, "repeats": None}, model_hash(job_model(spec, job)),
                     *sorted((work / "job").glob(f"{job}_*.jsonl")))
         for job in spec.jobs
     }  # fmt: skip
@@ -372,7 +346,7 @@ def run_bench(spec: PeersSpec, work: Path, out: Path, log: Log) -> dict[str, Any
                 "out": str(folder), "eval_start": evals[job], "order": jobs[job]["orders"][rep], "trl_loss": LOSS_PAIRS[spec.loss],
             }  # fmt: skip
             log(f"{name} (repeat {rep + 1}/{spec.repeats}, seed {spec.seed + rep}): {spec.steps} steps x {spec.prompts_per_step} prompts, own process")
-            row = run_row(task, folder, digest(keys[job], name, rep), log, env)
+            row = run_row(task, folder, digest(keys[job], name, rep, task["order"]), log, env)
             rows.append({**{k: v for k, v in meta.items() if k != "fields"}, "name": name, "repeat": rep, **row})
     table = summarize(rows)
     results = {

@@ -308,7 +308,17 @@ def markdown(results: dict[str, Any]) -> str:
     out += ["", "| ratio (paired by repeat) | rows | measured |", "|---|---|---|"]
     for key, got in {**checks_["targets"], **checks_["reported"]}.items():
         out.append(f"| {key} | {' / '.join(got['rows'])}, {got['figure']} | {_verdict(got)} |")
+    out += ["", "Where the two sides still differ (both jobs, then the multi-turn job's tool loop; the reasons are in the "
+            "results, `settings.differences*`):", "", "| setting | TRL | treegrpo |", "|---|---|---|"]  # fmt: skip
+    settings = results["settings"]
+    for d in [*settings["differences"], *settings.get("differences_multi_turn", [])]:
+        out.append(f"| {d['setting']} | {_flat(d['trl'])} | {_flat(d['treegrpo'])} |")
     return "\n".join(out) + "\n"
+
+
+def _flat(text: str) -> str:
+    """A table cell: one line, no pipe."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def readme_row(results: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ docstring, schema and result text); the reward is the env's own reward functions
 minus the shortest prompt of the job (as TRL tokenizes it): a treegrpo trajectory never holds more
 than ``max_context_tokens`` tokens, prompt included, so its completion (generated tokens + tool
 results) never passes that, and TRL's budget never binds before treegrpo's limits would. What still
-differs: :data:`TRL_TOOLS_DIFFERENCES`.
+differs: :data:`~treegrpo.benchmarks.peers_differences.TRL_TOOLS_DIFFERENCES`.
 
 Timing: a :class:`~transformers.TrainerCallback` clocks each step (``on_step_begin`` to
 ``on_step_end``, wall and process CPU seconds); a wrapper clocks ``_generate_and_score_completions``
@@ -65,87 +65,19 @@ from typing import Any
 
 import torch
 
+from treegrpo.benchmarks.peers_differences import TRL_TOOLS_DIFFERENCES
+from treegrpo.benchmarks.peers_trl_probes import probe_lm_head, probe_stop_strings, probe_tools
 from treegrpo.envs.base import Task
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import MARKER_FILE
 from treegrpo.rollout.agent import AgentConfig
-from treegrpo.tasks.datafile import search_env, search_tool, split_tasks
+from treegrpo.tasks.datafile import search_env, split_tasks
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.metrics import peak_rss_gb
 from treegrpo.training.setup import _warmup_agent, agent_config
 
 #: The jobs a TRL row runs (``task["job"]``).
 TRL_JOBS: tuple[str, ...] = ("single_turn", "multi_turn")
-#: Where the multi-turn TRL row and treegrpo's multi-turn rows still differ, and why (on top of
-#: :data:`treegrpo.benchmarks.peers.DIFFERENCES`, which hold for both jobs).
-TRL_TOOLS_DIFFERENCES: list[dict[str, str]] = [
-    {"setting": "per-turn token cap",
-     "trl": "none: each generate call of the tool loop may write up to max_completion_length new tokens, then the "
-            "turn is cut to what is left of the completion budget; a turn cut before <|im_end|> is still parsed, "
-            "and a complete <tool_call> in it runs (the results follow the cut turn)",
-     "treegrpo": "max_step_tokens per turn; a turn cut there (no end-of-turn token) ends the trajectory, its "
-                 "calls not run, scored as it stands",
-     "why": "TRL's tool loop has no per-turn setting (max_completion_length bounds the whole multi-turn completion; "
-            "GRPOConfig.generation_kwargs={'max_new_tokens': ...} would cap every generate call but is not set: the "
-            "row runs TRL's tool loop as it is). A warmed-up model ends its turns at <|im_end|> by itself"},
-    {"setting": "completion budget and context limit",
-     "trl": "max_completion_length = max_context_tokens - the job's shortest prompt, on the completion alone "
-            "(generated tokens + tool results); a tool round whose results would pass it is dropped and the "
-            "trajectory ends with its last turn's calls unanswered; no other context limit below the model's "
-            "max_position_embeddings",
-     "treegrpo": "max_context_tokens on prompt + completion: a turn is generated only when a whole max_step_tokens "
-                 "turn still fits, and a tool round after which none fits ends the trajectory (its results dropped)",
-     "why": "every treegrpo trajectory's completion is <= max_context_tokens - its prompt <= the TRL budget, so TRL "
-            "never stops first; TRL may go on where treegrpo stops (it keeps no room for a whole next turn, and a "
-            "longer prompt leaves it up to (prompt - shortest prompt) tokens more). Recorded: settings.trl_tools"},
-    {"setting": "tool rounds (max_turns)",
-     "trl": "max_tool_calling_iterations = max_turns: up to max_turns rounds of running the calls and generating "
-            "again; calls written in the turn after the last round are not run, the completion ends with them",
-     "treegrpo": "max_turns turns may call tools, then one final turn in which a call is refused (not run), "
-                 "ending the trajectory",
-     "why": "the same count on both sides: at most max_turns tool rounds and max_turns + 1 assistant turns, the "
-            "last one's calls unrun; a round with a failing call counts on both sides"},
-    {"setting": "a malformed tool call",
-     "trl": "a turn whose <tool_call> block does not parse (invalid JSON, no name) fails parse_response, which falls "
-            "back to the turn's text decoded without special tokens: no calls, the trajectory ends with that text "
-            "as its final answer",
-     "treegrpo": "an invalid action: the bad call gets an 'Error: ...' tool result, the turn counts against "
-                 "max_turns and the trajectory goes on",
-     "why": "each library's own parsing (trl.chat_template_utils.parse_response; treegrpo.rollout.toolcall)"},
-    {"setting": "a call that cannot run (unknown tool, arguments that do not fit)",
-     "trl": "called as fn(**arguments); the exception's text comes back as str({'error': msg}); every attempted "
-            "call is counted (tools/call_frequency)",
-     "treegrpo": "arguments checked against the schema before the call; the result is 'Error: ...'; only calls "
-                 "that ran are counted (budget/tool_calls)",
-     "why": "each library's own; the search tool itself never raises with the in-process BM25 retriever, so only "
-            "a wrong tool name or argument differs"},
-    {"setting": "tool result length",
-     "trl": "the tool's result text in full",
-     "treegrpo": "each result cut to max_obs_tokens tokens (marked ' …')",
-     "why": "TRL has no cap on a tool result; how often treegrpo's cap would have cut one in the TRL row is "
-            "counted per step (tool_results_over_obs_cap; the default 600 fits topk=3 wiki-vital passages: p99 556 "
-            "tokens with SmolLM2's tokenizer)"},
-    {"setting": "prefill of later turns",
-     "trl": "each tool round's generate call runs the whole context of every trajectory with a call again "
-            "(prompt + earlier turns + results, left-padded to the longest): prefill_positions, padding included",
-     "treegrpo": "its engine keeps each trajectory's KV between turns and a prompt's across its group (prefix "
-                 "reuse): budget/prefill_tokens counts the non-pad positions it computed",
-     "why": "what is measured: each side's own way of running the same job"},
-    {"setting": "the messages the reward reads",
-     "trl": "parse_response's assistant messages (content without the calls and the end-of-turn token) and "
-            "{'role': 'tool', 'name', 'content'} results",
-     "treegrpo": "its own parse of each turn (content without the calls, stripped) and the same tool messages",
-     "why": "the same reward functions (env.rewards.score); the built-in rewards normalize whitespace, so the two "
-            "parses score a turn alike; a cut or malformed turn differs as above"},
-    {"setting": "end-of-turn ids",
-     "trl": "generation_config.eos_token_id plus the tokenizer's EOS",
-     "treegrpo": "the tokenizer's EOS plus <|im_end|> / <|eot_id|> / <|eom_id|> where they are single tokens",
-     "why": "both {<|im_end|>} for SmolLM2 with chatml-tools; recorded per run: settings.trl_tools.stop_ids"},
-    {"setting": "dr_grpo normalizer (loss seq-mean-token-sum-norm only)",
-     "trl": "token sum / (sequences x max_completion_length), here the whole completion budget",
-     "treegrpo": "token sum / (sequences x the longest path)",
-     "why": "each library's constant; the bench's default loss (token-mean / dapo) has none"},
-]  # fmt: skip
 
 
 def trl_args(
@@ -261,51 +193,6 @@ class _Clock:
             return out
 
         return timed
-
-
-def probe_stop_strings(model: Any) -> dict[str, Any]:
-    """Whether ``generate`` as TRL 1.16 calls it (a ``GenerationConfig``, no ``tokenizer=``)
-    accepts stop strings: ``{"error": None}`` or the error it raised."""
-    from transformers import GenerationConfig
-
-    try:
-        with torch.no_grad():
-            ids = torch.tensor([[int(model.config.bos_token_id or 0)]])
-            model.generate(
-                input_ids=ids,
-                generation_config=GenerationConfig(max_new_tokens=1, stop_strings=["</answer>"]),
-            )
-        return {"error": None}
-    except (ValueError, TypeError) as e:
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-
-
-def probe_lm_head(device: str) -> dict[str, Any]:
-    """How TRL's fused LM head scores the update's positions on ``device``: only the completion
-    positions (``compact``: where Triton runs, CUDA/XPU) or every prompt and completion position,
-    in chunks of ``chunk_positions`` (trl/trainer/utils.py ``add_fused_lm_head``)."""
-    from trl.kernels.chunked_logprob import _use_triton
-    from trl.trainer import utils
-
-    return {
-        "compact": bool(_use_triton(torch.device(device))),
-        "chunk_positions": utils._CHUNKED_LOGPROB_CHUNK_SIZE,
-    }
-
-
-def probe_tools(model: Any, tok: Any, args: Any, dataset: Any, retriever: Any, topk: int) -> dict[str, Any]:
-    """Whether ``GRPOTrainer`` accepts ``tools=[search]`` (treegrpo's search tool over our
-    retriever) with this model's chat template: ``{"error": None | str, "supports_tool_calling": bool}``."""
-    from trl import GRPOTrainer
-    from trl.chat_template_utils import supports_tool_calling
-
-    try:
-        GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
-                    train_dataset=dataset, processing_class=tok, tools=[search_tool(retriever, topk)])  # fmt: skip
-        error = None
-    except (ValueError, TypeError, ImportError) as e:
-        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return {"error": error, "supports_tool_calling": bool(supports_tool_calling(tok))}
 
 
 @dataclass
