@@ -94,11 +94,11 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
         and out.with_suffix(".png").stat().st_size > 0
     )
     assert set(rows) == set(ROWS)
-    # the keys and nesting of the committed results (rows: as the committed row of the same system)
+    # the keys and nesting of the committed results (rows: as the committed row of the same name)
     new, old = json.loads(out.read_text()), committed("peers.json")
     assert shape_problems({**new, "rows": []}, {**old, "rows": []}) == []
     for r in new["rows"]:
-        was = next(o for o in old["rows"] if o["system"] == r["system"])
+        was = next(o for o in old["rows"] if o["name"] == r["name"])
         assert list(r) == list(was) and shape_problems(r, was) == [], r["name"]
     for name, r in rows.items():
         assert all(k in r for k in SCHEMA) and all(k in r["settings"] for k in SETTINGS), name
@@ -112,17 +112,19 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
             and len(r["step_wall_s"]) == len(r["rollout_cpu_s"]) == len(r["update_cpu_s"]) == 1
         )
         assert r["step_wall_s"][0] > 0 and r["rollout_cpu_s"][0] > 0 and r["update_cpu_s"][0] > 0
-        assert 0 < r["generated_tokens"][0] <= r["trajectories"][0] * 12 * 2  # multi-turn: 2 turns of <= 12
+        # per trajectory: 2 turns of <= 12 tokens (multi-turn); TRL's tool loop has no per-turn cap, only its budget
+        cap = r["settings"]["max_new_tokens"] if name == "multi_turn/trl" else 24
+        assert 0 < r["generated_tokens"][0] <= r["trajectories"][0] * cap
         assert r["trained_tokens"][0] > r["generated_tokens"][0] and r["peak_rss_gb"] > 0.1
         assert (
             r["process_peak_rss_gb"] >= r["peak_rss_gb"] * 0.999
         )  # training's high-water mark <= the process's
         # completion lengths: the model's own tokens per trajectory, consistent with the step's total
-        assert 0 < r["completion_len_mean"][0] <= r["completion_len_max"][0] <= 24, name
+        assert 0 < r["completion_len_mean"][0] <= r["completion_len_max"][0] <= cap, name
         assert r["completion_len_mean"][0] * r["trajectories"][0] >= r["generated_tokens"][0] * 0.999 or r["sampler"] == "tree"
         # every phase counted on both sides: prefill and decode in the rollout, positions in the update
         assert all(r[k][0] > 0 for k in ("prefill_positions", "decode_steps", "decode_positions", "update_positions")), name
-        assert r["decode_positions"][0] >= r["decode_steps"][0] and r["update_positions"][0] >= r["trained_tokens"][0] // 2
+        assert r["decode_positions"][0] >= r["decode_steps"][0] and r["update_positions"][0] > r["generated_tokens"][0]
         want_model = bench["spec"].tools_model if r["job"] == "multi_turn" else bench["spec"].model
         assert r["settings"]["model_dir"] == str(want_model) and r["settings"]["threads"] == 1
         assert r["settings"]["versions"]["torch"] and r["settings"]["versions"]["transformers"]

@@ -334,7 +334,16 @@ def readme_row(results: dict[str, Any]) -> str:
         f"| single-turn: chain {r('single_turn_cpu_per_trajectory')} TRL's CPU-s per trajectory, {r('single_turn_peak_rss')} "
         f"its peak RSS; multi-turn search through TRL's `tools=`: Tree-GRPO (2,2,1) {r('multi_turn_traj_per_1k')} TRL's "
         f"trajectories per 1k generated tokens, chain {r('multi_turn_cpu_per_trajectory')} its CPU-s per trajectory "
-        "(medians over repeats, docs/benchmarks.md) | `treegrpo bench peers` (command in docs/benchmarks.md) |"
+        f"(medians over repeats; warm-ups and tables: docs/benchmarks.md) | `{command(results)}` |"
+    )
+
+
+def command(results: dict[str, Any], single: str = "runs/peers-single-warm", tools: str = "runs/smol-warm-tools") -> str:
+    """The ``bench peers`` command of ``results`` with the docs' folder names."""
+    spec = results["spec"]
+    return (
+        f"treegrpo bench peers --model {single} --tools-model {tools} --steps {spec['steps']} --repeats {spec['repeats']} "
+        f"--threads {spec['threads']} --eval-prompts {spec['eval_prompts']} --max-new-tokens {spec['max_new_tokens']}"
     )
 
 
