@@ -122,9 +122,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         line["ablation"] = runs[0].get("ablation")
         line["repeats"] = len(runs)
         line.update({k: _median([f[k] for f in figs]) for k in figs[0]})
-        line["completion_len_max"] = _spread([f["completion_len_max"] for f in figs] or [None]) and max(
-            f["completion_len_max"] for f in figs
-        )  # the longest completion of any repeat
+        longest = _spread([f["completion_len_max"] for f in figs])
+        line["completion_len_max"] = longest[1] if longest else None  # the longest completion of any repeat
         line["spread"] = {k: _spread([f[k] for f in figs]) for k in figs[0]}
         line["em_after_by_seed"] = {str(r["settings"].get("seed")): r["em_after"] for r in runs}
         out.append(line)

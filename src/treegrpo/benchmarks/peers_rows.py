@@ -25,7 +25,7 @@ from treegrpo.io import atomic_write_json
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.metrics import read_metrics
 from treegrpo.training.trainer import train
-from treegrpo.tree import Forest, read_forests
+from treegrpo.tree import read_forests
 
 #: The per-phase work of a step (docs/metrics): the row's key -> treegrpo's metric.
 PHASE_METRICS = {
@@ -63,20 +63,6 @@ def common_settings(cfg: TrainConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def completion_lengths(forests: list[Forest]) -> list[int]:
-    """The tokens the model generated on each trajectory (root to leaf: every step's policy tokens,
-    a shared step counted on each trajectory through it; prompts and observations excluded)."""
-    return [
-        sum(n.n_policy_tokens for n in tree.path(leaf.id)) for f in forests for tree in f.trees for leaf in tree.leaves()
-    ]
-
-
-def path_tokens(forests: list[Forest]) -> int:
-    """The tokens of the training sequences: every trajectory with its prompt and observations (what
-    a per-path update trains; packed, a shared prefix is computed once but trained for each)."""
-    return sum(len(n.tokens) for f in forests for tree in f.trees for leaf in tree.leaves() for n in tree.path(leaf.id))
-
-
 def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
     """treegrpo's own loop (``train``) on the job; figures from its ``metrics.jsonl`` and rollouts."""
     cfg = TrainConfig(**task["config"])
@@ -86,12 +72,16 @@ def treegrpo_row(task: dict[str, Any]) -> dict[str, Any]:
     steps = [m for m in metrics if m.get("step", 0) > 0 and "time/rollout_s" in m]
     recorded = json.loads((run / "config.json").read_text())
     prompts = []  # the prompts each step drew, as the rollouts recorded them (id and token ids)
-    lengths, trained = [], []  # per step: the model's generated tokens of each trajectory; path tokens
+    # per step, over its root-to-leaf training sequences: the tokens the model generated on each
+    # trajectory (a shared step counted on each through it) and all their tokens (prompt and
+    # observations too: what a per-path update trains; packed, a shared prefix is computed once)
+    lengths, trained = [], []
     for s in range(1, cfg.steps + 1):
         forests = read_forests(run / "rollouts" / f"step_{s:05d}.jsonl")
         prompts.append([{"id": f.prompt_id, "ids": list(f.trees[0].nodes[0].tokens)} for f in forests])
-        lengths.append(completion_lengths(forests))
-        trained.append(path_tokens(forests))
+        paths = [p for f in forests for p in f.paths()]
+        lengths.append([sum(p.policy_mask_T) for p in paths])
+        trained.append(sum(len(p.tokens_T) for p in paths))
     return {
         "steps": len(steps),
         "step_wall_s": [m["time/rollout_s"] + m["time/update_s"] for m in steps],
