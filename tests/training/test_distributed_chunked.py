@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_distributed import _batches, _flat, _one_process, _setup
+from test_distributed import LAYOUT_DEPENDENT, _batches, _flat, _one_process, _setup
 from test_packing import PAD
 
 from treegrpo.algos.advantages import token_advantages
@@ -179,6 +179,9 @@ def test_two_ranks_chunked_match_one_process_unchunked(
     for step, (w, g) in enumerate(zip(want["metrics"], got["metrics"], strict=True)):
         assert set(w) == set(g), step
         for key in w:
+            if key in LAYOUT_DEPENDENT:  # the work done: each rank pads its own micro-batches
+                assert g[key] > 0 and w[key] > 0, (step, key)
+                continue
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-5), (step, key)
     assert w["update/packed"] == (1.0 if c["packing"] == "on" else 0.0)
     diff = (got["params"] - want["params"]).abs()
