@@ -153,3 +153,71 @@ def test_token_matched_table(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
     said.clear()
     run_table(spec, tmp_path / "work", tmp_path / "t.json", said.append)
     assert any(x.startswith("start probe: reusing") for x in said)
+
+
+def _fake_rollouts(rewards_of: Any, calls: list[Any]) -> Any:
+    """A stand-in for the start's rollouts: ten training questions q0..q9, hand-made rewards."""
+    from types import SimpleNamespace
+
+    def fake(spec: TableSpec, work: Path, tasks_of: Any, samplers: list[tuple[str, Any]]) -> dict[str, Any]:
+        tasks = tasks_of(SimpleNamespace(train_tasks=[SimpleNamespace(id=f"q{i}") for i in range(10)]))
+        calls.append([(label, c.name, c.group_size) for label, c in samplers])
+        return {label: {"rewards": {t.id: rewards_of(t.id) for t in tasks}, "generated_tokens": 40 * len(tasks),
+                        "prompts": len(tasks)} for label, _ in samplers}  # fmt: skip
+
+    return fake
+
+
+def test_select_pool_keeps_the_questions_the_start_is_unsure_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--select-prompts``: every candidate sampled SELECT_SAMPLES times (a chain group); the pool is
+    the candidates whose samples disagree, in the draw's order; kept in the work folder and reused."""
+    from treegrpo.benchmarks import real_table
+
+    def rewards(qid: str) -> list[float]:  # q0, q3, q6, q9 always solved; q1, q4, q7 never; q2, q5, q8 once in 4
+        i = int(qid[1:])
+        return [1.0] * 4 if i % 3 == 0 else [0.0] * 4 if i % 3 == 1 else [1.0, 0.0, 0.0, 0.0]
+
+    calls: list[Any] = []
+    monkeypatch.setattr(real_table, "_rollout_from_start", _fake_rollouts(rewards, calls))
+    spec, said = TableSpec(model="m", select_prompts=10), []
+    sel = real_table.select_pool(spec, tmp_path, said.append)
+    assert sel is not None and calls == [[("select", "chain", real_table.SELECT_SAMPLES)]]
+    assert sorted(sel["candidates"]) == [f"q{i}" for i in range(10)]  # all ten, in a fixed shuffled order
+    assert sel["pool"] == [i for i in sel["candidates"] if i in {"q2", "q5", "q8"}]
+    assert sel["success"]["q2"] == 0.25 and sel["kept_fraction"] == pytest.approx(0.3, abs=1e-12)
+    assert sel["start_success"] == pytest.approx((4 * 1.0 + 3 * 0.25) / 10, abs=1e-12)
+    assert sel["pool_success"] == pytest.approx(0.25, abs=1e-12)
+    said.clear()
+    assert real_table.select_pool(spec, tmp_path, said.append) == json.loads(json.dumps(sel))  # kept, reused
+    assert len(calls) == 1 and said[0].startswith("training pool: reusing")
+    assert real_table.select_pool(TableSpec(model="m"), tmp_path, said.append) is None  # 0: no selection
+    monkeypatch.setattr(real_table, "_rollout_from_start", _fake_rollouts(lambda q: [0.0] * 4, calls))
+    with pytest.raises(ConfigError, match="agree on every candidate"):
+        real_table.select_pool(TableSpec(model="other", select_prompts=10), tmp_path, said.append)
+
+
+def test_the_runs_train_only_on_the_pool(smollm2_2layer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a training pool both runs of a pair draw every step's prompts from it (the trainer's own
+    record), the pool is in the results and in the runs' folder names, and the table's cost counts it."""
+    from treegrpo.benchmarks import real_table
+    from treegrpo.training.config import TrainConfig
+
+    spec = TableSpec(model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=2, prompts_per_step=2,
+                     eval_prompts=2, select_prompts=40, overrides=LIMITS)  # fmt: skip
+    ids = real_table.train_prompt_ids(spec)
+    pool = [ids[7], ids[3], ids[11]]
+    monkeypatch.setattr(real_table, "select_pool", lambda *a: {"pool": pool, "wall_s": 2.5})
+    res = run_table(spec, tmp_path / "work", tmp_path / "t.json", [].append)
+    chain, tree = res["rows"]
+    assert chain["prompt_ids"] == tree["prompt_ids"] and len(chain["prompt_ids"]) == 4
+    assert set(chain["prompt_ids"]) <= set(pool)
+    for r in res["rows"]:
+        assert r["prompt_ids"] == trained_on(Path(r["run_dir"]))
+    assert res["selection"]["pool"] == pool and res["compute_s"]["selection"] == 2.5
+    c = res["compute_s"]
+    assert c["total"] == pytest.approx(c["start_eval"] + c["selection"] + c["runs"], abs=0.02)
+    runs = spec.runs()
+    assert [Path(r["run_dir"]) for r in res["rows"]] == [run_folder(spec, r, tmp_path / "work", pool) for r in runs]
+    assert all(run_folder(spec, r, tmp_path / "work", pool) != run_folder(spec, r, tmp_path / "work") for r in runs)
+    with pytest.raises(ConfigError, match="does not hold"):
+        real_table._pooled_parts(TrainConfig(**spec.config(runs[0], str(tmp_path / "x"))), ["nope"])

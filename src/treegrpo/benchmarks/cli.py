@@ -288,6 +288,7 @@ def bench_real_cmd(
     matched: str = typer.Option("nominal", help="--table: nominal (the paper's tree shapes) | tokens (the tree token-matched to its chain: budget_tokens chain:B; compared at equal generated tokens and tool calls)."),
     eval_every_tokens: int = typer.Option(0, help="--table: also evaluate every this many generated tokens (sampled only; the EM-per-token curve)."),
     probe_prompts: int = typer.Option(0, help="--table --matched tokens: before the runs, the fraction of informative groups (leaves that disagree) at the start on this many training prompts, per sampler."),
+    select_prompts: int = typer.Option(0, help="--table: before the runs, sample this many training questions 4 times each from the start and train every run only on those whose samples disagree (the questions the start is unsure of); 0 = every training question."),
     data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
     corpus: str = typer.Option("wiki-vital", help="Retriever corpus (BM25, in process)."),
     demos: int = typer.Option(96, help="Warm-up demonstrations."),
@@ -328,7 +329,8 @@ def bench_real_cmd(
             from treegrpo.benchmarks.real import table_bench
 
             table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
-                        _ints(seeds, "--seeds"), eval_every, _log, matched, eval_every_tokens, probe_prompts)  # fmt: skip
+                        _ints(seeds, "--seeds"), eval_every, _log, matched, eval_every_tokens, probe_prompts,
+                        select_prompts)  # fmt: skip
             return
         run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=_log)
     except ConfigError as e:

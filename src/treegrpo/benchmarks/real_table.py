@@ -14,6 +14,11 @@ paper shape's M and N), every run is evaluated every ``--eval-every-tokens`` gen
 compares the pairs at equal generated tokens and tool calls (:mod:`.equal_cost`), and
 ``start_probe`` measures, before any run, how many of the first steps' groups are informative
 (leaves that disagree) under each sampler from the starting folder (:func:`start_probe`).
+
+``--select-prompts P``: before the runs, P training questions are each sampled
+:data:`SELECT_SAMPLES` times from the starting folder; every run of the table then trains only on
+the ones whose samples disagree (:func:`select_pool`), so a start that solves most questions still
+gives groups with an advantage. Both samplers of a pair draw from the same pool in the same order.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ EXTRA_KEYS: tuple[str, ...] = (
 )  # fmt: skip
 #: Row keys of a token-matched table beyond :data:`EXTRA_KEYS`.
 TOKEN_KEYS: tuple[str, ...] = ("budget_tokens", "eval_every_tokens", "tool_curve")
+#: Samples per candidate question in :func:`select_pool` (one chain group from the start).
+SELECT_SAMPLES = 4
 #: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
 PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
 
@@ -67,6 +74,8 @@ class TableSpec:
         matched: ``nominal`` (the paper's shapes) or ``tokens`` (the tree token-matched to its chain).
         eval_every_tokens: evaluations every this many generated tokens (sampled only; 0 = off).
         probe_prompts: ``tokens``: training prompts of the start probe (:func:`start_probe`; 0 = none).
+        select_prompts: candidate training questions of :func:`select_pool` (0 = train on every
+            training question); the runs train only on the candidates the start is unsure of.
         overrides: further :class:`~treegrpo.training.config.TrainConfig` fields of every run
             (``--set key=value``: LoRA, packing, threads, agent limits, engine), the same for both samplers.
     """
@@ -84,6 +93,7 @@ class TableSpec:
     matched: str = "nominal"
     eval_every_tokens: int = 0
     probe_prompts: int = 0
+    select_prompts: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,8 +101,8 @@ class TableSpec:
             raise ConfigError(f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}")
         if not self.seeds or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1 or self.eval_every < 0:
             raise ConfigError("the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)")
-        if self.matched not in ("nominal", "tokens") or min(self.eval_every_tokens, self.probe_prompts) < 0:
-            raise ConfigError(f"--matched {self.matched!r}: choose nominal or tokens (and --eval-every-tokens, --probe-prompts ≥ 0)")
+        if self.matched not in ("nominal", "tokens") or min(self.eval_every_tokens, self.probe_prompts, self.select_prompts) < 0:
+            raise ConfigError(f"--matched {self.matched!r}: choose nominal or tokens (and --eval-every-tokens, --probe-prompts, --select-prompts ≥ 0)")
 
     def runs(self) -> list[RunSpec]:
         """Chain then tree for every budget and seed (the pairs next to each other)."""
@@ -157,32 +167,37 @@ def prompt_order(spec: TableSpec, seed: int, task_ids: list[str]) -> list[str]:
     return [i for _ in range(spec.steps) for i in state.draw_prompts(task_ids, spec.prompts_per_step)]
 
 
-def run_folder(spec: TableSpec, run: RunSpec, work: Path) -> Path:
-    """The run's folder: its label, seed and a digest of every setting (another setting, another folder)."""
-    return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{digest(spec.config(run, ''), length=10)}"
+def run_folder(spec: TableSpec, run: RunSpec, work: Path, pool: list[str] | None = None) -> Path:
+    """The run's folder: its label, seed and a digest of every setting, the training pool included
+    (another setting, another folder)."""
+    settings = spec.config(run, "") | ({"train_pool": pool} if pool else {})
+    return work / "runs" / f"{_slug(run.label)}-s{run.seed}-{digest(settings, length=10)}"
 
 
 def run_one(
-    spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], task_ids: list[str], log: Log
-) -> dict[str, Any]:
-    """Train (or resume, or reuse) one run; its row."""
+    spec: TableSpec, run: RunSpec, work: Path, eval_start: dict[str, float], task_ids: list[str], log: Log,
+    pool: list[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Train (or resume, or reuse) one run; its row. ``pool``: the training questions the run
+    draws from (:func:`select_pool`; ``None``: all of them, ``task_ids``)."""
     from treegrpo.training.checkpoint import CHECKPOINT_DIR, drop_previous
     from treegrpo.training.config import TrainConfig
     from treegrpo.training.metrics import read_metrics
     from treegrpo.training.trainer import TrainSummary, train
     from treegrpo.tree import read_forests
 
-    run_dir = run_folder(spec, run, work)
+    run_dir = run_folder(spec, run, work, pool)
     summary = TrainSummary.read(run_dir / "summary.json")
     if summary is None or summary.steps < spec.steps:
         log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
-        summary = train(TrainConfig(**spec.config(run, str(run_dir))), eval_start=eval_start)
+        cfg = TrainConfig(**spec.config(run, str(run_dir)))
+        summary = train(cfg, eval_start=eval_start, parts=_pooled_parts(cfg, pool) if pool else None)
     drop_previous(run_dir / CHECKPOINT_DIR)  # a finished run is never resumed: its last checkpoint is enough
     s = summary
     metrics = read_metrics(run_dir / "metrics.jsonl")
     steps = [m["rollout/prompt_ids"] for m in metrics if "rollout/prompt_ids" in m]
     # what the run trained on, as the trainer logged it; a run from before it did: the stream replayed
-    prompt_ids = [i for ids in steps for i in ids] if len(steps) == spec.steps else prompt_order(spec, run.seed, task_ids)
+    prompt_ids = [i for ids in steps for i in ids] if len(steps) == spec.steps else prompt_order(spec, run.seed, pool or task_ids)
     dumped = run_dir / "rollouts" / f"step_{spec.steps:05d}.jsonl"  # the last step's forests (unless switched off)
     last = [f.prompt_id for f in read_forests(dumped)] if dumped.is_file() else []
     if last and last != prompt_ids[-len(last) :]:  # the record must be what the run trained on
@@ -206,50 +221,131 @@ def run_one(
     return row
 
 
-def start_probe(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
-    """How many groups are informative (their leaves' rewards differ: the only groups with an
-    advantage) at the start, under each sampler of the smallest budget: ``probe_prompts`` training
-    prompts, in the order seed ``spec.seeds[0]``'s runs draw them, rolled out from the starting
-    folder without an update. Computed once and kept in ``work``."""
+def _pooled_parts(cfg: Any, pool: list[str]) -> Any:
+    """``cfg``'s run parts with the training questions cut to ``pool`` (in the pool's order)."""
+    import dataclasses
+
+    from treegrpo.training.setup import build_run
+
+    parts = build_run(cfg)
+    by_id = {t.id: t for t in parts.train_tasks}
+    if missing := [i for i in pool if i not in by_id]:
+        raise ConfigError(f"the training pool names {len(missing)} questions the data does not hold (e.g. {missing[0]!r})")
+    return dataclasses.replace(parts, train_tasks=[by_id[i] for i in pool])
+
+
+def _rollout_from_start(spec: TableSpec, work: Path, tasks_of: Any, samplers: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Roll out from the starting folder without an update: ``tasks_of(parts)`` questions under each
+    ``(label, SamplerConfig)``; per label, every forest's leaf rewards by prompt id, and the generated tokens."""
     import random
 
     import torch
 
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
-    from treegrpo.rollout.samplers import SamplerConfig, get_sampler
-    from treegrpo.training.checkpoint import RunState
+    from treegrpo.rollout.samplers import get_sampler
     from treegrpo.training.config import TrainConfig
     from treegrpo.training.setup import build_run
 
+    cfg = TrainConfig(**spec.config(spec.runs()[0], str(work / "unused")))
+    out: dict[str, Any] = {}
+    with torch_threads(cfg.threads):
+        parts = build_run(cfg)
+        engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
+        runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
+        tasks = tasks_of(parts)
+        for label, scfg in samplers:
+            res = get_sampler(scfg.name)(runner, tasks, scfg, random.Random(0), torch.Generator().manual_seed(0))
+            out[label] = {
+                "rewards": {f.prompt_id: [float(leaf.reward or 0) for _, leaf in f.leaves()] for f in res.forests},
+                "generated_tokens": res.total().generated_tokens, "prompts": len(tasks),
+            }  # fmt: skip
+    return out
+
+
+def select_pool(spec: TableSpec, work: Path, log: Log) -> dict[str, Any] | None:
+    """The training pool of ``spec.select_prompts`` (``None`` when 0): that many training questions
+    (a fixed draw) each sampled :data:`SELECT_SAMPLES` times from the starting folder (one chain
+    group, no update); the pool keeps the ones whose samples disagree. Why: a group has an advantage
+    only when its leaves' rewards differ; a chain-2 group on a question the start solves with
+    probability p does so with probability 2p(1-p) ≤ ½, so from a start that solves most questions
+    (or none) most groups carry nothing. The pool is the questions the start is unsure of; both
+    samplers train on it. Computed once and kept in ``work``."""
+    import random
+
+    from treegrpo.rollout.sampling import SamplerConfig
+
+    if not spec.select_prompts:
+        return None
+    keep = {"model": spec.model, "data": spec.data, "corpus": spec.corpus, "candidates": spec.select_prompts,
+            "samples": SELECT_SAMPLES, **spec.overrides}  # fmt: skip
+    path = work / f"pool-{digest(keep, length=10)}.json"
+    if path.is_file():
+        log(f"training pool: reusing {path}")
+        return json.loads(path.read_text())
+    t0 = time.perf_counter()
+    log(f"training pool: {spec.select_prompts} training questions × {SELECT_SAMPLES} samples from the start")
+    picked: list[str] = []
+
+    def candidates(parts: Any) -> list[Any]:
+        tasks = random.Random(0).sample(parts.train_tasks, min(spec.select_prompts, len(parts.train_tasks)))
+        picked.extend(t.id for t in tasks)
+        return tasks
+
+    res = _rollout_from_start(spec, work, candidates, [("select", SamplerConfig("chain", SELECT_SAMPLES))])["select"]
+    rewards = res["rewards"]
+    success = {i: sum(rewards[i]) / len(rewards[i]) for i in picked}
+    pool = [i for i in picked if len(set(rewards[i])) > 1]
+    if not pool:
+        raise ConfigError(f"--select-prompts {spec.select_prompts}: the start's samples agree on every candidate "
+                          "(all solved or all failed); choose another start or more candidates")  # fmt: skip
+    out = {"settings": keep, "candidates": picked, "success": success, "pool": pool,
+           "kept_fraction": len(pool) / len(picked), "start_success": sum(success.values()) / len(success),
+           "pool_success": sum(success[i] for i in pool) / len(pool),
+           "generated_tokens": res["generated_tokens"], "wall_s": time.perf_counter() - t0}  # fmt: skip
+    atomic_write_json(path, out)
+    log(f"training pool: {len(pool)} of {len(picked)} questions (start success {out['start_success']:.2f}, "
+        f"in the pool {out['pool_success']:.2f})")  # fmt: skip
+    return out
+
+
+def start_probe(spec: TableSpec, work: Path, log: Log, pool: list[str] | None = None) -> dict[str, Any]:
+    """How many groups are informative (their leaves' rewards differ: the only groups with an
+    advantage) at the start, under each sampler of the smallest budget: ``probe_prompts`` training
+    prompts (of ``pool`` when given), in the order seed ``spec.seeds[0]``'s runs draw them, rolled
+    out from the starting folder without an update. Computed once and kept in ``work``."""
+    from treegrpo.rollout.sampling import SamplerConfig
+    from treegrpo.training.checkpoint import RunState
+
     runs = [r for r in spec.runs() if r.budget == min(spec.budgets) and r.seed == spec.seeds[0]]
     keep = {"model": spec.model, "data": spec.data, "corpus": spec.corpus, "prompts": spec.probe_prompts,
-            "runs": [r.overrides() for r in runs], **spec.overrides}  # fmt: skip
+            "runs": [r.overrides() for r in runs], **spec.overrides, **({"train_pool": pool} if pool else {})}  # fmt: skip
     path = work / f"probe-{digest(keep, length=10)}.json"
     if path.is_file():
         log(f"start probe: reusing {path}")
         return json.loads(path.read_text())
     t0 = time.perf_counter()
-    cfg = TrainConfig(**spec.config(runs[0], str(work / "unused")))
+    samplers = []
+    for run in runs:
+        o = run.overrides()
+        samplers.append((run.label, SamplerConfig(o["sampler"], o.get("group_size", 4), o.get("m", 2), o.get("n", 2), o.get("l", 1),
+                                                  o.get("expand_mode", "random"), budget_tokens=o.get("budget_tokens"))))  # fmt: skip
+    log(f"start probe: {', '.join(label for label, _ in samplers)} on {spec.probe_prompts} training prompts")
+
+    def tasks_of(parts: Any) -> list[Any]:
+        by_id = {t.id: t for t in parts.train_tasks}
+        tasks = [by_id[i] for i in pool] if pool else parts.train_tasks
+        return RunState.fresh(spec.seeds[0]).draw_prompts(tasks, spec.probe_prompts)
+
     out: dict[str, Any] = {"settings": keep}
-    with torch_threads(cfg.threads):
-        parts = build_run(cfg)
-        engine = make_engine(cfg.engine, parts.model, parts.tokenizer, device=cfg.device, **cfg.engine_options)
-        runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
-        tasks = RunState.fresh(spec.seeds[0]).draw_prompts(parts.train_tasks, spec.probe_prompts)
-        for run in runs:
-            o = run.overrides()
-            scfg = SamplerConfig(o["sampler"], o.get("group_size", 4), o.get("m", 2), o.get("n", 2), o.get("l", 1),
-                                 o.get("expand_mode", "random"), budget_tokens=o.get("budget_tokens"))  # fmt: skip
-            log(f"start probe: {run.label} on {len(tasks)} training prompts")
-            res = get_sampler(scfg.name)(runner, tasks, scfg, random.Random(0), torch.Generator().manual_seed(0))
-            rewards = [[leaf.reward for _, leaf in f.leaves()] for f in res.forests]
-            out[run.label] = {
-                "prompts": len(tasks), "informative": sum(len(set(r)) > 1 for r in rewards) / len(rewards),
-                "success": sum(sum(float(x or 0) for x in r) for r in rewards) / sum(len(r) for r in rewards),
-                "leaves_per_prompt": sum(len(r) for r in rewards) / len(rewards),
-                "generated_tokens_per_prompt": res.total().generated_tokens / len(tasks),
-            }  # fmt: skip
+    for label, res in _rollout_from_start(spec, work, tasks_of, samplers).items():
+        rewards = list(res["rewards"].values())
+        out[label] = {
+            "prompts": res["prompts"], "informative": sum(len(set(r)) > 1 for r in rewards) / len(rewards),
+            "success": sum(sum(r) for r in rewards) / sum(len(r) for r in rewards),
+            "leaves_per_prompt": sum(len(r) for r in rewards) / len(rewards),
+            "generated_tokens_per_prompt": res["generated_tokens"] / res["prompts"],
+        }  # fmt: skip
     out["wall_s"] = time.perf_counter() - t0
     atomic_write_json(path, out)
     return out
@@ -291,9 +387,11 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     start = start_eval(spec, work, log)
-    probe = start_probe(spec, work, log) if spec.matched == "tokens" and spec.probe_prompts else None
+    selection = select_pool(spec, work, log)
+    pool = selection["pool"] if selection else None
+    probe = start_probe(spec, work, log, pool) if spec.matched == "tokens" and spec.probe_prompts else None
     task_ids = train_prompt_ids(spec)
-    rows = [run_one(spec, r, work, start["eval"], task_ids, log) for r in spec.runs()]
+    rows = [run_one(spec, r, work, start["eval"], task_ids, log, pool) for r in spec.runs()]
     runs_s = sum(r["wall_s"] for r in rows)
     results = {
         "format": FORMAT,
@@ -304,13 +402,15 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
         "rows": rows,
         "paired": paired(rows),
         **({"start_probe": probe} if probe else {}),
+        **({"selection": selection} if selection else {}),
         **({"equal_cost": analyse(rows, ["random"])} if spec.matched == "tokens" else {}),
         "paper": PAPER,
         "compute_s": {  # what the table cost, over every session that built it
             "start_eval": round(start["wall_s"], 2),
             "start_probe": round(probe["wall_s"], 2) if probe else 0.0,
+            "selection": round(selection["wall_s"], 2) if selection else 0.0,
             "runs": round(runs_s, 2),
-            "total": round(start["wall_s"] + (probe["wall_s"] if probe else 0.0) + runs_s, 2),
+            "total": round(start["wall_s"] + sum(x["wall_s"] for x in (probe, selection) if x) + runs_s, 2),
         },
         "wall_s": time.perf_counter() - t0,  # this invocation's (reused runs cost nothing)
     }
