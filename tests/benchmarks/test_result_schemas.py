@@ -127,8 +127,8 @@ def shape_problems(new: Any, old: Any, path: str = "", entry: bool = False) -> l
     return out
 
 
-#: The committed token-matched table (``bench learn --matched tokens``).
-TOKENS_RESULT = "learn_tokens_rare3.json"
+#: The committed token-matched tables (``bench learn --matched tokens``).
+TOKENS_RESULTS = ("learn_tokens_rare3.json", "learn_tokens_default.json")
 
 
 def committed(name: str) -> dict[str, Any]:
@@ -230,7 +230,8 @@ def test_learn_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.
     assert shape_problems(doc, committed("learn.json")) == []
 
 
-def test_learn_tokens_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", TOKENS_RESULTS)
+def test_learn_tokens_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     from treegrpo.benchmarks import learn
 
     _tiny_regime(monkeypatch, tiny_model_dir)
@@ -238,7 +239,7 @@ def test_learn_tokens_schema(tiny_model_dir: Path, tmp_path: Path, monkeypatch: 
     doc = learn.run_bench(
         tmp_path / "t.json", regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens"
     )
-    assert shape_problems(doc, committed(TOKENS_RESULT)) == []
+    assert shape_problems(doc, committed(name)) == []
 
 
 @pytest.mark.parametrize("task", ["search", "sql"])
