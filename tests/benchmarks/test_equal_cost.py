@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from treegrpo.benchmarks import learn
-from treegrpo.benchmarks.equal_cost import analyse, equal_cost, pair_at_equal_cost, reach
-from treegrpo.benchmarks.learn_spec import TOKEN_ROW_KEYS, Regime, plan_token_runs, spec_of, tree_label
+from treegrpo.benchmarks.equal_cost import analyse, equal_cost, pair_at_equal_cost, paper_headline, reach
+from treegrpo.benchmarks.learn_spec import PAPER_PAIRS, TOKEN_ROW_KEYS, Regime, plan_token_runs, spec_of, tree_label
 
 
 def test_reach_interpolates_the_first_crossing() -> None:
@@ -70,6 +70,45 @@ def test_equal_cost_by_hand() -> None:
     assert a["targets"]["budget2_random_at_least_chain"] == {"at_least": 1, "pairs": 2, "op": ">= 7/9 of pairs", "pass": False}
     assert a["targets"]["budget2_random_tokens_to_reach"]["pass"] is False  # not every pair reaches
     assert "pairs won 1/2" in a["headline"]["2"]["random"]
+
+
+def _end_row(budget: int, mode: str | None, seed: int, em_end: float, tokens: int) -> dict:
+    """A finished run with only what :func:`paper_headline` reads (its final EM and tokens)."""
+    m, n, l = (budget, 0, 0) if mode is None else PAPER_PAIRS[budget]
+    spec = {"mode": "chain" if mode is None else "tree", "budget": budget, "M": m, "N": n, "L": l, "expand_mode": mode,
+            "advantage": "grpo" if mode is None else "tree_grpo", "budget_tokens": None if mode is None else f"chain:{budget}"}
+    return {**spec, "seed": seed, "world_seed": 0, "em_start": 0.1, "em_end": em_end,
+            "em_curve": [[0, 0.1], [tokens, em_end]], "generated_tokens": tokens, "tool_calls": 0, "tool_curve": []}  # fmt: skip
+
+
+def test_paper_headline_by_hand() -> None:
+    """Chain 16 ends at 0.60 and 0.70 (mean 0.65) on 16,000 and 14,000 tokens (mean 15,000). The
+    budget-2 trees (0.50, 0.66: mean 0.58) fall short; the budget-4 trees (0.64, 0.67: mean 0.655)
+    match it on 3,600 and 4,200 tokens: 3,900 / 15,000 = 0.26 of chain 16's tokens, one of the two
+    pairs at least as high. Among the chains, chain 8 is the first to match (0.66, 0.64: 0.65)."""
+    ems = {  # label -> (seed 0 EM, tokens), (seed 1 EM, tokens)
+        (16, None): ((0.60, 16000), (0.70, 14000)), (8, None): ((0.66, 8000), (0.64, 7000)),
+        (4, None): ((0.50, 4000), (0.70, 3500)), (2, None): ((0.40, 2000), (0.50, 1800)),
+        (2, "random"): ((0.50, 2100), (0.66, 1700)), (4, "random"): ((0.64, 3600), (0.67, 4200)),
+        (8, "random"): ((0.70, 8000), (0.70, 7000)), (16, "random"): ((0.58, 15000), (0.70, 14500)),
+    }  # fmt: skip
+    rows = [_end_row(b, m, s, em, tok) for (b, m), per in ems.items() for s, (em, tok) in enumerate(per)]
+    h = paper_headline(rows, [2, 4, 8, 16], ["random"], tokens=True)
+    found = h["random"]["smallest_matching_budget"]
+    assert found["budget"] == 4 and found["label"] == tree_label(4, "random", tokens=True)
+    assert found["em_end"] == pytest.approx(0.655) and found["chain_em_end"] == pytest.approx(0.65)
+    assert (found["pairs"], found["pairs_at_least"]) == (2, 1)
+    assert found["token_fraction"] == pytest.approx(3900 / 15000)
+    control = h["chain_control"]
+    assert control["budget"] == 8 and control["label"] == "chain 8" and control["em_end"] == pytest.approx(0.65)
+    assert control["token_fraction"] == pytest.approx(7500 / 15000)
+    # budget 16's tree: seed 0 ends at 0.58, never reaching chain 16's 0.60; seed 1 reaches 0.70 only
+    # at its end, 14,500 tokens = 14500/14000 of its chain's
+    reach16 = h["random"]["reach_at_top"]
+    assert (reach16["reached"], reach16["pairs"]) == (1, 2) and reach16["reach"]["mean"] == pytest.approx(14500 / 14000)
+    # no smaller configuration reaches it: None, not the top budget's own chain
+    low = [r for r in rows if r["em_end"] < 0.65 or r["budget"] == 16 and r["mode"] == "chain"]
+    assert paper_headline(low, [2, 4, 8, 16], ["random"], tokens=True)["chain_control"] is None
 
 
 def test_token_plan() -> None:
