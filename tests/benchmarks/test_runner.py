@@ -22,6 +22,7 @@ from treegrpo.benchmarks.runner import (
     run_measured,
     spread,
     torch_threads,
+    without_timings,
     write_result,
 )
 
@@ -62,6 +63,20 @@ def test_resume_keeps_wanted_rows_of_the_same_meta(tmp_path: Path) -> None:
         -1
     ] == f"[yellow]not resuming[/]: {out} was made with another task"
     assert resume_rows(tmp_path / "none.json", {}, ["x"], lambda r: r["k"], {}, logs.append) == ([], 0.0)
+
+
+def test_resume_ignores_timings_in_the_meta(tmp_path: Path) -> None:
+    """A starting policy bootstrapped again (a new machine, the cache gone) records other wall
+    seconds in its warm-up evaluation; the table still resumes. Any other difference refuses."""
+    out = tmp_path / "r.json"
+    model = {"hash": "abc", "warmup_eval": {"sampled": {"success": 0.5, "wall_s": 0.84}}}
+    out.write_text(json.dumps({"models": {"0": model}, "rows": [{"k": "x"}], "wall_s": 3.0}))
+    again = {"models": {"0": {"hash": "abc", "warmup_eval": {"sampled": {"success": 0.5, "wall_s": 0.52}}}}}
+    rows, wall = resume_rows(out, again, ["x"], lambda r: r["k"], {}, print)
+    assert (rows, wall) == ([{"k": "x"}], 3.0)
+    other = {"models": {"0": {"hash": "abc", "warmup_eval": {"sampled": {"success": 0.6, "wall_s": 0.84}}}}}
+    assert resume_rows(out, other, ["x"], lambda r: r["k"], {}, print) == ([], 0.0)
+    assert without_timings([{"wall_s": 1, "n": [{"wall_s": 2, "m": 3}]}]) == [{"n": [{"m": 3}]}]
 
 
 def test_done_files_are_reused_only_with_the_same_key(tmp_path: Path) -> None:

@@ -89,6 +89,17 @@ def run_jobs(
                 done(pending.pop(fut), fut.result())
 
 
+def without_timings(obj: Any) -> Any:
+    """``obj`` with every ``wall_s`` key dropped, at any depth: how long something took is not what
+    it was (a starting policy bootstrapped again on another day is the same policy, bit for bit,
+    with other timings in its record)."""
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if k != "wall_s"}
+    if isinstance(obj, list):
+        return [without_timings(v) for v in obj]
+    return obj
+
+
 def resume_rows(
     out: Path,
     meta: dict[str, Any],
@@ -99,12 +110,12 @@ def resume_rows(
     what: str = "regime or starting policy",
 ) -> tuple[list[dict[str, Any]], float]:
     """The rows of an earlier result ``out`` to keep: those whose key is ``wanted``, when ``out``
-    was made with the same ``meta`` (every key of it equal); with the wall seconds already spent
+    was made with the same ``meta`` (every key of it equal, timings aside: :func:`without_timings`); with the wall seconds already spent
     on them. ``prov`` gets ``resumed_from`` (the earlier provenance) when rows are kept."""
     if not Path(out).is_file():
         return [], 0.0
     old = json.loads(Path(out).read_text())
-    if {k: old.get(k) for k in meta} != meta:
+    if without_timings({k: old.get(k) for k in meta}) != without_timings(meta):
         log(f"[yellow]not resuming[/]: {out} was made with another {what}")
         return [], 0.0
     keep = set(wanted)
@@ -259,5 +270,6 @@ __all__ = [
     "save_figure",
     "spread",
     "torch_threads",
+    "without_timings",
     "write_result",
 ]
