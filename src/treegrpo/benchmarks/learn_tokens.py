@@ -37,12 +37,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
             curves = [r["em_curve"] for r in rows if spec_of(r).label == lab]
             if curves:
                 xs, ys = _mean_curve(curves)
+                # one legend entry per chain budget and one per pick rule (its trees at every budget)
+                name = lab if key == "chain" else f"token-matched tree, {key} picks" if b == budgets[0] else None
                 ax.plot([x / 1000 for x in xs], ys, ls=ls, color=COLORS[key], alpha=0.4 + 0.15 * budgets.index(b),
-                        label=lab if b == budgets[-1] or key == "chain" else None)  # fmt: skip
+                        label=name)  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("generated tokens spent (thousands, log)")
     ax.set_ylabel("held-out EM, sampled T=1 (mean over pairs)")
-    ax.set_title("EM per generated token: chain (solid), token-matched tree (dashed)")
+    ax.set_title("EM per generated token: chain B (solid), tree at chain B's tokens (dashed)")
     ax.legend(fontsize=6)
     width = 0.8 / len(modes)
     for j, m in enumerate(modes):
