@@ -197,6 +197,20 @@ def test_token_table_end_to_end(
     again = learn.run_bench(out, regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens",
                             resume=True)  # fmt: skip
     assert again["rows"] == result["rows"]
+    # the same start bootstrapped by changed code, in another folder: the rows are kept (not run
+    # again: their wall seconds are the first run's); other weights: run again
+    moved = json.loads(out.read_text())
+    moved["models"]["0"] |= {"folder": "/elsewhere", "code_fingerprint": "changed", "config_hash": "changed"}
+    out.write_text(json.dumps(moved))
+    kept = learn.run_bench(out, regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens",
+                           resume=True)  # fmt: skip
+    assert kept["rows"] == result["rows"] and "resumed_from" in kept["provenance"]
+    other = json.loads(out.read_text())
+    other["provenance"]["model_hash"]["0"] = "sha256:other"
+    out.write_text(json.dumps(other))
+    rerun = learn.run_bench(out, regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens",
+                            resume=True)  # fmt: skip
+    assert "resumed_from" not in rerun["provenance"]
 
 
 @pytest.mark.parametrize("name", ["learn_tokens_rare3.json", "learn_tokens_default.json"])

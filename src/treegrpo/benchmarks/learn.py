@@ -255,7 +255,8 @@ def run_bench(
         **({"matched": "tokens", "eval_every_tokens_per_budget": specs[0].eval_every_tokens // specs[0].budget} if tokens else {}),
     }
     prov = provenance(model_dir={str(w): p for w, p in models.items()}, threads=1)  # every row trains on one thread
-    rows, prior = resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print) if resume else ([], 0.0)
+    rows, prior = resume_rows(out, same_start({**meta, "provenance": prov}), (s.key for s in specs), lambda r: spec_of(r).key,
+                              prov, console.print, identity=same_start) if resume else ([], 0.0)  # fmt: skip
     command = (
         f"treegrpo bench learn --regime {regime}{' --quick' if quick else ''}{' --matched tokens' if tokens else ''} "
         f"--world-seed {','.join(map(str, worlds))} --seeds {seeds} --jobs {jobs}" + option_flags(changes)
@@ -301,6 +302,16 @@ def restate_at_equal_cost(path: Path) -> dict[str, Any]:
     doc["equal_cost_restated"] = {k: prov.get(k) for k in ("commit", "dirty", "treegrpo")}
     write_result(Path(path), doc)
     return doc
+
+
+def same_start(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a table's rows depend on, read off its document (``--resume`` keeps rows only when it is
+    equal): its regime and token checkpoints, and its starting policies by the hash of their weights
+    (``provenance.model_hash``), not by their cache folder or bootstrap-code fingerprint — a policy
+    bootstrapped again after a code change that leaves its weights bit for bit the same is the same
+    start (seen on ``rare3``: the fingerprint moved, the three worlds' weights did not)."""
+    keep = ("regime", "matched", "eval_every_tokens_per_budget")
+    return {**{k: doc.get(k) for k in keep}, "model_hash": doc.get("provenance", {}).get("model_hash")}
 
 
 def bootstrap_record(folder: Path) -> dict[str, Any]:
@@ -386,6 +397,7 @@ def run_gigpo_bench(
 __all__ = [
     "ABLATION", "ABLATION_BUDGET", "BUDGETS", "EXPAND_MODES", "GIGPO_BUDGETS", "GIGPO_ROW_KEYS", "QUICK_BUDGETS",
     "REGIMES", "ROW_KEYS", "SQL_REGIME", "Regime", "RunSpec", "base_config", "bootstrap_record", "default_out",
-    "plan_gigpo", "plan_runs", "restate_at_equal_cost", "run_bench", "run_gigpo_bench", "run_one", "spec_of", "start_eval",
+    "plan_gigpo", "plan_runs", "restate_at_equal_cost", "run_bench", "run_gigpo_bench", "run_one", "same_start",
+    "spec_of", "start_eval",
     "train_one", "train_row",
 ]  # fmt: skip

@@ -108,14 +108,18 @@ def resume_rows(
     prov: dict[str, Any],
     log: Log,
     what: str = "regime or starting policy",
+    identity: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     """The rows of an earlier result ``out`` to keep: those whose key is ``wanted``, when ``out``
-    was made with the same ``meta`` (every key of it equal, timings aside: :func:`without_timings`); with the wall seconds already spent
-    on them. ``prov`` gets ``resumed_from`` (the earlier provenance) when rows are kept."""
+    was made with the same ``meta`` (every key of it equal, timings aside: :func:`without_timings`),
+    read off the earlier document by ``identity`` (default: its own top-level keys); with the wall
+    seconds already spent on them. ``prov`` gets ``resumed_from`` (the earlier provenance) when rows
+    are kept."""
     if not Path(out).is_file():
         return [], 0.0
     old = json.loads(Path(out).read_text())
-    if without_timings({k: old.get(k) for k in meta}) != without_timings(meta):
+    view = identity(old) if identity else old
+    if without_timings({k: view.get(k) for k in meta}) != without_timings(meta):
         log(f"[yellow]not resuming[/]: {out} was made with another {what}")
         return [], 0.0
     keep = set(wanted)
