@@ -98,6 +98,12 @@ def test_gigpo_bench_end_to_end(
         out, task=task, regime="test", seeds=1, jobs=1, budgets=(2,), resume=True
     )
     assert again["rows"] == result["rows"] and f"--task {task}" in again["command"]
+    # the same weights bootstrapped into another folder by changed code: still the same start
+    moved = json.loads(out.read_text())
+    moved["model"] = {"folder": "/elsewhere", "config_hash": "changed"}
+    out.write_text(json.dumps(moved))
+    kept = learn.run_gigpo_bench(out, task=task, regime="test", seeds=1, jobs=1, budgets=(2,), resume=True)
+    assert kept["rows"] == result["rows"] and "resumed_from" in kept["provenance"]
 
 
 @pytest.mark.parametrize(

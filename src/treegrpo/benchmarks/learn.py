@@ -306,11 +306,11 @@ def restate_at_equal_cost(path: Path) -> dict[str, Any]:
 
 def same_start(doc: dict[str, Any]) -> dict[str, Any]:
     """What a table's rows depend on, read off its document (``--resume`` keeps rows only when it is
-    equal): its regime and token checkpoints, and its starting policies by the hash of their weights
+    equal): its task, regime and token checkpoints, and its starting policies by the hash of their weights
     (``provenance.model_hash``), not by their cache folder or bootstrap-code fingerprint — a policy
     bootstrapped again after a code change that leaves its weights bit for bit the same is the same
     start (seen on ``rare3``: the fingerprint moved, the three worlds' weights did not)."""
-    keep = ("regime", "matched", "eval_every_tokens_per_budget")
+    keep = ("task", "regime", "matched", "eval_every_tokens_per_budget")
     return {**{k: doc.get(k) for k in keep}, "model_hash": doc.get("provenance", {}).get("model_hash")}
 
 
@@ -369,8 +369,8 @@ def run_gigpo_bench(
             "model": {"folder": str(model_dir), "config_hash": tiny_info(model_dir).get("config_hash")}}  # fmt: skip
     prov = provenance(model_dir={"0": model_dir}, threads=1)  # every row trains on one thread
     rows, prior = (
-        resume_rows(out, meta, (s.key for s in specs), lambda r: spec_of(r).key, prov, console.print,
-                    "task, regime or starting policy")
+        resume_rows(out, same_start({**meta, "provenance": prov}), (s.key for s in specs), lambda r: spec_of(r).key, prov,
+                    console.print, "task, regime or starting policy", identity=same_start)
         if resume else ([], 0.0)
     )  # fmt: skip
     command = (
