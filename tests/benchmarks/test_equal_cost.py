@@ -32,16 +32,7 @@ def test_reach_interpolates_the_first_crossing() -> None:
 def _row(label: str, seed: int, curve: list[list[float]], tools: list[list[float]] | None = None) -> dict:
     if label.startswith("chain"):
         b = int(label.split()[1])
-        spec = {
-            "mode": "chain",
-            "budget": b,
-            "M": b,
-            "N": 0,
-            "L": 0,
-            "expand_mode": None,
-            "advantage": "grpo",
-            "budget_tokens": None,
-        }
+        spec = {"mode": "chain", "budget": b, "M": b, "N": 0, "L": 0, "expand_mode": None, "advantage": "grpo", "budget_tokens": None}
     else:
         spec = {"mode": "tree", "budget": 2, "M": 1, "N": 2, "L": 1, "expand_mode": "random", "advantage": "tree_grpo",
                 "budget_tokens": "chain:2"}  # fmt: skip
@@ -74,9 +65,7 @@ def test_equal_cost_by_hand() -> None:
     assert c is not None and c["pairs"] == 2
     tree_em_1 = 0.35
     chain_em_1 = 0.2 + 0.3 * 0.9
-    assert c["per_pair"][1]["at"] == 900 and c["per_pair"][1]["chain_em"] == pytest.approx(
-        chain_em_1, abs=1e-4
-    )
+    assert c["per_pair"][1]["at"] == 900 and c["per_pair"][1]["chain_em"] == pytest.approx(chain_em_1, abs=1e-4)
     assert c["tree_em"]["mean"] == pytest.approx((p0["tree_em"] + tree_em_1) / 2)
     assert (c["wins"], c["at_least"], c["losses"]) == (1, 1, 1)
     assert c["reached"] == 1 and c["reach"]["mean"] == pytest.approx(0.55)
@@ -86,12 +75,7 @@ def test_equal_cost_by_hand() -> None:
     assert t is not None and t["per_pair"][0]["tree_em"] == pytest.approx(0.52)
     a = analyse(rows, ["random"])["world 0"]
     assert a["equal_tokens"]["2"]["random"]["pairs"] == 2
-    assert a["targets"]["budget2_random_at_least_chain"] == {
-        "at_least": 1,
-        "pairs": 2,
-        "op": ">= 7/9 of pairs",
-        "pass": False,
-    }
+    assert a["targets"]["budget2_random_at_least_chain"] == {"at_least": 1, "pairs": 2, "op": ">= 7/9 of pairs", "pass": False}
     assert a["targets"]["budget2_random_tokens_to_reach"]["pass"] is False  # not every pair reaches
     assert "pairs won 1/2" in a["headline"]["2"]["random"]
 
@@ -99,16 +83,8 @@ def test_equal_cost_by_hand() -> None:
 def _end_row(budget: int, mode: str | None, seed: int, em_end: float, tokens: int) -> dict:
     """A finished run with only what :func:`paper_headline` reads (its final EM and tokens)."""
     m, n, l = (budget, 0, 0) if mode is None else PAPER_PAIRS[budget]
-    spec = {
-        "mode": "chain" if mode is None else "tree",
-        "budget": budget,
-        "M": m,
-        "N": n,
-        "L": l,
-        "expand_mode": mode,
-        "advantage": "grpo" if mode is None else "tree_grpo",
-        "budget_tokens": None if mode is None else f"chain:{budget}",
-    }
+    spec = {"mode": "chain" if mode is None else "tree", "budget": budget, "M": m, "N": n, "L": l, "expand_mode": mode,
+            "advantage": "grpo" if mode is None else "tree_grpo", "budget_tokens": None if mode is None else f"chain:{budget}"}  # fmt: skip
     return {**spec, "seed": seed, "world_seed": 0, "em_start": 0.1, "em_end": em_end,
             "em_curve": [[0, 0.1], [tokens, em_end]], "generated_tokens": tokens, "tool_calls": 0, "tool_curve": []}  # fmt: skip
 
@@ -132,16 +108,12 @@ def test_paper_headline_by_hand() -> None:
     assert (found["pairs"], found["pairs_at_least"]) == (2, 1)
     assert found["token_fraction"] == pytest.approx(3900 / 15000)
     control = h["chain_control"]
-    assert (
-        control["budget"] == 8 and control["label"] == "chain 8" and control["em_end"] == pytest.approx(0.65)
-    )
+    assert control["budget"] == 8 and control["label"] == "chain 8" and control["em_end"] == pytest.approx(0.65)
     assert control["token_fraction"] == pytest.approx(7500 / 15000)
     # budget 16's tree: seed 0 ends at 0.58, never reaching chain 16's 0.60; seed 1 reaches 0.70 only
     # at its end, 14,500 tokens = 14500/14000 of its chain's
     reach16 = h["random"]["reach_at_top"]
-    assert (reach16["reached"], reach16["pairs"]) == (1, 2) and reach16["reach"]["mean"] == pytest.approx(
-        14500 / 14000
-    )
+    assert (reach16["reached"], reach16["pairs"]) == (1, 2) and reach16["reach"]["mean"] == pytest.approx(14500 / 14000)
     # no smaller configuration reaches it: None, not the top budget's own chain
     low = [r for r in rows if r["em_end"] < 0.65 or (r["budget"] == 16 and r["mode"] == "chain")]
     assert paper_headline(low, [2, 4, 8, 16], ["random"], tokens=True)["chain_control"] is None
@@ -161,25 +133,16 @@ def test_token_plan() -> None:
     assert specs[0].overrides()["eval_every_tokens"] == 2000 and "budget_tokens" not in specs[0].overrides()
 
 
-def test_token_table_end_to_end(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_token_table_end_to_end(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real loop on the tiny test model and world: rows with dense curves (a point per token
     checkpoint passed, tokens and tool calls at the same evaluations), the equal-cost analysis,
     JSON, plot, resume."""
-    regime = Regime(
-        "test", "tiny", steps=3, prompts_per_step=2, lr=1e-4, eval_every=3, eval_prompts=4, about="test"
-    )
+    regime = Regime("test", "tiny", steps=3, prompts_per_step=2, lr=1e-4, eval_every=3, eval_prompts=4, about="test")
     monkeypatch.setitem(learn.REGIMES, "test", regime)
     monkeypatch.setattr("treegrpo.benchmarks.learn_spec.TOKEN_EVAL_PER_BUDGET", 20)
-    monkeypatch.setattr(
-        "treegrpo.tasks.world.bootstrap.ensure_bootstrapped",
-        lambda preset, world_seed=None, **kw: tiny_model_dir,
-    )
+    monkeypatch.setattr("treegrpo.tasks.world.bootstrap.ensure_bootstrapped", lambda preset, world_seed=None, **kw: tiny_model_dir)
     out = tmp_path / "tokens.json"
-    result = learn.run_bench(
-        out, regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens"
-    )
+    result = learn.run_bench(out, regime="test", seeds=1, jobs=1, expand_modes=("random",), budgets=(2,), matched="tokens")
     data = json.loads(out.read_text())
     assert data["bench"] == "learn_tokens" and data["complete"] and out.with_suffix(".png").stat().st_size > 0
     assert "--matched tokens" in data["command"] and data["models"]["0"]["folder"] == str(tiny_model_dir)
@@ -223,11 +186,7 @@ def test_the_committed_token_tables_are_whole_and_recomputable(name: str) -> Non
     assert data["complete"] and data["matched"] == "tokens"
     plan = plan_token_runs(data["budgets"], data["seeds"], data["world_seeds"], data["expand_modes"])
     assert sorted(spec_of(r).key for r in data["rows"]) == sorted(s.key for s in plan)
-    chains = {
-        (r["budget"], r["seed"], r["world_seed"]): r["generated_tokens"]
-        for r in data["rows"]
-        if r["mode"] == "chain"
-    }
+    chains = {(r["budget"], r["seed"], r["world_seed"]): r["generated_tokens"] for r in data["rows"] if r["mode"] == "chain"}
     ratios: dict[str, list[float]] = {}
     for r in data["rows"]:
         assert tuple(r) == TOKEN_ROW_KEYS and r["em_curve"][-1][0] == r["generated_tokens"]

@@ -32,10 +32,7 @@ from treegrpo.benchmarks.learn_spec import ABLATION, ABLATION_BUDGET, spec_of, t
 from treegrpo.benchmarks.runner import spread
 
 #: What a comparison is at equal: ``tokens`` (``em_curve``, ``generated_tokens``) or ``tool_calls``.
-COSTS: dict[str, tuple[str, str]] = {
-    "tokens": ("em_curve", "generated_tokens"),
-    "tool_calls": ("tool_curve", "tool_calls"),
-}
+COSTS: dict[str, tuple[str, str]] = {"tokens": ("em_curve", "generated_tokens"), "tool_calls": ("tool_curve", "tool_calls")}
 
 
 def reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -76,9 +73,7 @@ def _median_with_inf(values: list[float | None]) -> float | None:
     return None if math.isinf(mid) else mid
 
 
-def equal_cost(
-    rows: Sequence[dict[str, Any]], tree: str, chain: str, cost: str = "tokens"
-) -> dict[str, Any] | None:
+def equal_cost(rows: Sequence[dict[str, Any]], tree: str, chain: str, cost: str = "tokens") -> dict[str, Any] | None:
     """Configurations ``tree`` and ``chain`` (labels) compared at equal ``cost``, paired by seed
     and world (module docstring); ``None`` without a pair."""
     by = {(spec_of(r).label, r["seed"], r["world_seed"]): r for r in rows}
@@ -133,18 +128,12 @@ def headline(c: dict[str, Any], budget: int) -> str:
             f"{c['tree_em']['mean']:.3f} vs {c['chain_em']['mean']:.3f} ({c['ratio']:.2f}×, pairs won {c['wins']}/{c['pairs']})")  # fmt: skip
 
 
-def _smallest_matching(
-    by: dict[tuple[str, int, int], dict[str, Any]], labels: Sequence[tuple[int, str]], top: int
-) -> dict[str, Any] | None:
+def _smallest_matching(by: dict[tuple[str, int, int], dict[str, Any]], labels: Sequence[tuple[int, str]], top: int) -> dict[str, Any] | None:
     """The first ``(budget, label)`` of ``labels`` whose final EM (``em_end``: mean over the pairs
     with chain ``top``, paired by seed and world) reaches chain ``top``'s (``chain_em_end``), with
     its share of chain ``top``'s generated tokens (``token_fraction``); ``None`` when none does."""
     for b, lab in labels:
-        pairs = [
-            (r, by[(f"chain {top}", s, w)])
-            for (x, s, w), r in by.items()
-            if x == lab and (f"chain {top}", s, w) in by
-        ]
+        pairs = [(r, by[(f"chain {top}", s, w)]) for (x, s, w), r in by.items() if x == lab and (f"chain {top}", s, w) in by]
         if not pairs:
             continue
         t_end = statistics.fmean(t["em_end"] for t, _ in pairs)
@@ -159,9 +148,7 @@ def _smallest_matching(
     return None
 
 
-def paper_headline(
-    rows: list[dict[str, Any]], budgets: list[int], modes: list[str], tokens: bool, top: int = 16
-) -> dict[str, Any]:
+def paper_headline(rows: list[dict[str, Any]], budgets: list[int], modes: list[str], tokens: bool, top: int = 16) -> dict[str, Any]:
     """The paper's headline as measured: per pick rule, the smallest budget whose tree's final EM
     (paired mean) reaches chain ``top``'s, as a fraction of chain ``top``'s generated tokens; and
     the tokens at which the ``top``-budget tree's curve reaches chain ``top``'s final EM.
@@ -209,9 +196,7 @@ def analyse(rows: Sequence[dict[str, Any]], modes: Sequence[str], tokens: bool =
     out: dict[str, Any] = {}
     for name, rs in scopes:
         s = _scope(rs, budgets, list(modes), tokens)
-        s["headline"] = {
-            b: {m: headline(c, int(b)) for m, c in per.items()} for b, per in s["equal_tokens"].items()
-        }
+        s["headline"] = {b: {m: headline(c, int(b)) for m, c in per.items()} for b, per in s["equal_tokens"].items()}
         if 16 in budgets:
             s["paper_headline"] = paper_headline(rs, budgets, list(modes), tokens)
         s["targets"] = token_targets(s)
@@ -219,13 +204,4 @@ def analyse(rows: Sequence[dict[str, Any]], modes: Sequence[str], tokens: bool =
     return out
 
 
-__all__ = [
-    "COSTS",
-    "analyse",
-    "equal_cost",
-    "headline",
-    "pair_at_equal_cost",
-    "paper_headline",
-    "reach",
-    "token_targets",
-]
+__all__ = ["COSTS", "analyse", "equal_cost", "headline", "pair_at_equal_cost", "paper_headline", "reach", "token_targets"]
