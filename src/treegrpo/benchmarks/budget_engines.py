@@ -68,13 +68,14 @@ def run_with(agent: AgentParts, tasks: Sequence[Any], spec: RunSpec, make: Calla
 def engine_figures(meas: Measurement, detail: dict[str, Any]) -> dict[str, Any]:
     """The per-configuration figures of the module docstring (medians over the repeats)."""
     tot = meas.total
-    wall, cpu = statistics.median(meas.walls), statistics.median(meas.cpus)
+    # rounded once, as recorded: every figure below is derived from the values the JSON holds
+    wall, cpu = round(statistics.median(meas.walls), 4), round(statistics.median(meas.cpus), 4)
     traj = sum(f.n_trajectories() for f in meas.forests)
     cached = sum(int(g.extra.get("cached_tokens", 0)) for _, gens, _ in meas.calls for g in gens)
     context = sum(p["context_tokens"] for p in detail["phases"].values())
     uncached = sum(p.get("uncached_tokens", 0) for p in detail["phases"].values())
     return {
-        "config": meas.spec.label, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+        "config": meas.spec.label, "wall_s": wall, "cpu_s": cpu,
         "walls": [round(w, 4) for w in meas.walls], "cpus": [round(c, 4) for c in meas.cpus], "trajectories": traj,
         "generated_tokens": tot.generated_tokens, "prefill_tokens": tot.prefill_tokens, "context_tokens": context,
         "uncached_tokens": uncached, "prefix_cache_hit_tokens": context - tot.prefill_tokens,
