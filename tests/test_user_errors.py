@@ -55,6 +55,19 @@ def test_set_value_with_a_colon_is_a_string() -> None:
     assert cfg.prompt_template == "Q: {question}"
 
 
+def test_set_a_mapping_field_keeps_the_mapping() -> None:
+    """A field that is a mapping (engine_options) takes a YAML mapping; other fields keep the text."""
+    sets = parse_set(["engine_options={max_batch_size: 64}", "prompt_template=a: b"])
+    assert sets == {"engine_options": {"max_batch_size": 64}, "prompt_template": "a: b"}
+    assert make_config(overrides=sets).engine_options == {"max_batch_size": 64}
+
+
+def test_bench_real_set_is_parsed_like_train(tmp_path: Path) -> None:
+    """``bench real --set`` reads values as ``train --set`` does, and names a pair without ``=``."""
+    line = _cli_error("bench", "real", "--table", "--set", "max_step_tokens", "--work", str(tmp_path))
+    assert "--set 'max_step_tokens': expected key=value" in line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_on_a_cpu_build_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"device.*cuda.*device=cpu"):

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from treegrpo.benchmarks.equal_cost import analyse
 from treegrpo.benchmarks.learn_spec import ROW_KEYS
 from treegrpo.benchmarks.real_table import EXTRA_KEYS, TableSpec, paired, run_folder, run_table
 from treegrpo.errors import ConfigError
@@ -71,6 +72,24 @@ def test_table_runs_pairs_and_resumes(smollm2_2layer_dir: Path, tmp_path: Path) 
     again = run_table(spec, tmp_path / "work", out, said.append)
     assert again["rows"] == rows and said[0].startswith("start evaluation: reusing") and len(said) == 2
     assert [Path(r["run_dir"]) for r in rows] == [run_folder(spec, r, tmp_path / "work") for r in spec.runs()]
+
+
+def test_jobs_schedule_the_runs_and_change_nothing_else(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """``jobs=2``: the runs train in two processes at once; every row is the one the same table
+    makes one run after the other (timings and folders aside), and the run folders are the same
+    names (``jobs`` is in no digest), so either can resume the other."""
+    import dataclasses
+
+    one = TableSpec(model=str(smollm2_2layer_dir), budgets=(2,), seeds=(0,), steps=1, prompts_per_step=2, eval_prompts=2, overrides=LIMITS)
+    two = dataclasses.replace(one, jobs=2)
+    a = run_table(one, tmp_path / "a", tmp_path / "a.json", lambda _: None)
+    b = run_table(two, tmp_path / "b", tmp_path / "b.json", lambda _: None)
+    skip = {"wall_s", "rollout_s", "update_s", "run_dir"}
+    assert [{k: v for k, v in r.items() if k not in skip} for r in b["rows"]] == [{k: v for k, v in r.items() if k not in skip} for r in a["rows"]]
+    assert [Path(r["run_dir"]).name for r in b["rows"]] == [Path(r["run_dir"]).name for r in a["rows"]]
+    assert b["spec"]["jobs"] == 2 and b["paired"] == a["paired"]
+    with pytest.raises(ConfigError, match="jobs"):
+        TableSpec(model="m", jobs=0)
 
 
 def test_another_setting_is_another_run_folder(tmp_path: Path) -> None:
@@ -221,3 +240,66 @@ def test_the_runs_train_only_on_the_pool(smollm2_2layer_dir: Path, tmp_path: Pat
     assert all(run_folder(spec, r, tmp_path / "work", pool) != run_folder(spec, r, tmp_path / "work") for r in runs)
     with pytest.raises(ConfigError, match="does not hold"):
         real_table._pooled_parts(TrainConfig(**spec.config(runs[0], str(tmp_path / "x"))), ["nope"])
+
+
+def test_start_rollouts_go_in_chunks(smollm2_2layer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection's rollouts from the start run ROLLOUT_CHUNK questions per sampler call (64
+    questions × 4 samples in one batch did not fit in memory on SmolLM2-135M), and still cover
+    every candidate with SELECT_SAMPLES leaves, the tokens summed over the calls."""
+    from treegrpo.benchmarks import real_table
+    from treegrpo.rollout import samplers
+    from treegrpo.rollout.sampling import SamplerConfig
+
+    sizes: list[int] = []
+    tokens: list[int] = []
+    chain = samplers.get_sampler("chain")
+
+    def spy(runner: Any, tasks: list[Any], *rest: Any) -> Any:
+        sizes.append(len(tasks))
+        res = chain(runner, tasks, *rest)
+        tokens.append(res.total().generated_tokens)
+        return res
+
+    monkeypatch.setattr(real_table, "ROLLOUT_CHUNK", 2)
+    monkeypatch.setattr(samplers, "get_sampler", lambda name: spy)
+    spec = TableSpec(model=str(smollm2_2layer_dir), eval_prompts=2, overrides=LIMITS)
+    ids: list[str] = []
+
+    def five(parts: Any) -> list[Any]:
+        ids.extend(t.id for t in parts.train_tasks[:5])
+        return parts.train_tasks[:5]
+
+    out = real_table._rollout_from_start(spec, tmp_path, five, [("select", SamplerConfig("chain", 4))])["select"]
+    assert sizes == [2, 2, 1] and out["prompts"] == 5 and out["generated_tokens"] == sum(tokens) > 0
+    assert list(out["rewards"]) == ids and all(len(r) == 4 for r in out["rewards"].values())
+
+
+def test_the_committed_token_table_is_whole_and_consistent() -> None:
+    """benchmarks/results/real_table_tokens.json (SmolLM2 at equal tokens, issue 35 item 4): budget 2,
+    ≥ 3 seeds, ≥ 128 held-out questions; every run trained only on the selected pool, each pair on
+    the same prompts; the pool is the candidates whose start samples disagree; the trees are
+    token-matched to chain 2; every curve ends at its run's totals; ``paired`` and ``equal_cost``
+    recomputed from the rows; the compute adds up."""
+    from treegrpo.benchmarks.real_table import SELECT_SAMPLES, TOKEN_KEYS
+
+    res = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "real_table_tokens.json").read_text())
+    rows, spec, sel, probe = res["rows"], res["spec"], res["selection"], res["start_probe"]
+    assert spec["matched"] == "tokens" and spec["budgets"] == [2] and len(spec["seeds"]) >= 3 and len(res["eval_ids"]) >= 128
+    assert all(tuple(r) == ROW_KEYS + EXTRA_KEYS + TOKEN_KEYS for r in rows)
+    assert {(r["seed"], r["mode"]) for r in rows} == {(s, m) for s in spec["seeds"] for m in ("chain", "tree")}
+    pool = set(sel["pool"])
+    assert sel["pool"] == [i for i in sel["candidates"] if 0 < sel["success"][i] < 1]  # the unsure ones, in order
+    assert all(v * SELECT_SAMPLES == round(v * SELECT_SAMPLES) for v in sel["success"].values())
+    assert sel["kept_fraction"] == pytest.approx(len(pool) / len(sel["candidates"]), abs=1e-12)
+    for r in rows:
+        assert set(r["prompt_ids"]) <= pool and len(r["prompt_ids"]) == spec["steps"] * spec["prompts_per_step"]
+        assert r["em_curve"][0] == [0, r["em_start"]] and r["em_curve"][-1] == [r["generated_tokens"], r["em_end"]]
+        assert r["tool_curve"][-1] == [r["tool_calls"], r["em_end"]] and len(r["informative_groups"]) == spec["steps"]
+        assert r["budget_tokens"] == ("chain:2" if r["mode"] == "tree" else None)
+    assert paired(rows) == res["paired"]
+    assert json.loads(json.dumps(analyse(rows, ["random"]))) == res["equal_cost"]
+    assert {"chain 2", "tree (1,2) random tokens=chain 2"} <= set(probe)
+    assert all(0 <= probe[k]["informative"] <= 1 and probe[k]["prompts"] == spec["probe_prompts"] for k in ("chain 2", "tree (1,2) random tokens=chain 2"))
+    c = res["compute_s"]
+    assert c["runs"] == round(sum(r["wall_s"] for r in rows), 2)
+    assert c["total"] == pytest.approx(c["start_eval"] + c["start_probe"] + c["selection"] + c["runs"], abs=0.02)

@@ -289,6 +289,7 @@ def bench_real_cmd(
     eval_every_tokens: int = typer.Option(0, help="--table: also evaluate every this many generated tokens (sampled only; the EM-per-token curve)."),
     probe_prompts: int = typer.Option(0, help="--table --matched tokens: before the runs, the fraction of informative groups (leaves that disagree) at the start on this many training prompts, per sampler."),
     select_prompts: int = typer.Option(0, help="--table: before the runs, sample this many training questions 4 times each from the start and train every run only on those whose samples disagree (the questions the start is unsure of); 0 = every training question."),
+    jobs: int = typer.Option(1, help="--table: runs trained at once, each in its own process (one torch thread each; an evaluation of 128 questions peaks near 10 GB, so 2 on a 24 GB machine)."),
     data: str = typer.Option("wiki-vital-qa", help="Questions (a --data reference)."),
     corpus: str = typer.Option("wiki-vital", help="Retriever corpus (BM25, in process)."),
     demos: int = typer.Option(96, help="Warm-up demonstrations."),
@@ -309,16 +310,18 @@ def bench_real_cmd(
     from treegrpo.benchmarks.real import RealSpec, run_bench
     from treegrpo.benchmarks.real_costs import MODES
     from treegrpo.errors import ConfigError
+    from treegrpo.training.config import parse_set
 
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     eval_prompts = eval_prompts or (128 if table else 16)
     if bad := [m for m in mode_list if m not in MODES]:
         _fail(f"error: unknown --modes {bad}; choose from {', '.join(MODES)}")
-    if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts) < 1 or not (sft_lr > 0 and rl_lr > 0):
+    if min(demos, sft_batch, eval_prompts, rl_steps, prompts_per_step, cost_prompts, jobs) < 1 or not (sft_lr > 0 and rl_lr > 0):
         _fail("error: counts must be >= 1 and --sft-lr, --rl-lr > 0")
-    overrides = dict(kv.split("=", 1) for kv in sets if "=" in kv)
-    if len(overrides) != len(sets):
-        _fail("error: --set takes key=value")
+    try:
+        overrides = parse_set(sets)
+    except ConfigError as e:
+        _fail(f"error: {e}")
     spec = RealSpec(
         model=model, data=data, corpus=corpus, demos=demos, sft_lr=sft_lr, sft_batch=sft_batch,
         eval_prompts=eval_prompts, rl_steps=rl_steps, prompts_per_step=prompts_per_step, rl_lr=rl_lr, seed=seed,
@@ -330,7 +333,7 @@ def bench_real_cmd(
 
             table_bench(spec, work, out or Path("benchmarks/results/real_table.json"), _ints(budgets, "--budgets"),
                         _ints(seeds, "--seeds"), eval_every, _log, matched, eval_every_tokens, probe_prompts,
-                        select_prompts)  # fmt: skip
+                        select_prompts, jobs)  # fmt: skip
             return
         run_bench(spec, work, out or Path("benchmarks/results/real.json"), log=_log)
     except ConfigError as e:

@@ -184,7 +184,7 @@ def run_bench(spec: RealSpec, work: Path, out: Path, log: Log) -> dict[str, Any]
 
 def table_bench(
     spec: RealSpec, work: Path, out: Path, budgets: tuple[int, ...], seeds: tuple[int, ...], eval_every: int, log: Log,
-    matched: str = "nominal", eval_every_tokens: int = 0, probe_prompts: int = 0, select_prompts: int = 0,
+    matched: str = "nominal", eval_every_tokens: int = 0, probe_prompts: int = 0, select_prompts: int = 0, jobs: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """``bench real --table``: the budget table (:mod:`treegrpo.benchmarks.real_table`) from
     ``spec.model`` when it is a warm-up folder, else from the warm-up stage's output (run or reused)."""
@@ -198,7 +198,7 @@ def table_bench(
         model=str(start), data=spec.data, corpus=spec.corpus, budgets=budgets, seeds=seeds, steps=spec.rl_steps,
         prompts_per_step=spec.prompts_per_step, lr=spec.rl_lr, eval_prompts=spec.eval_prompts,
         eval_every=eval_every, matched=matched, eval_every_tokens=eval_every_tokens, probe_prompts=probe_prompts,
-        select_prompts=select_prompts, overrides=spec.overrides,
+        select_prompts=select_prompts, overrides=spec.overrides, jobs=jobs,
     )  # fmt: skip
     return run_table(table, work / "table", out, log)
 

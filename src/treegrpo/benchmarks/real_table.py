@@ -4,7 +4,8 @@ starting folder, prompts in the same order and held-out questions), held-out EM 
 at the start (once) and at the end of every run (and every ``eval_every`` steps: the EM curves).
 
 Resumable: each run lives in ``work/runs/<label>-s<seed>-<digest of its settings>`` and checkpoints
-every step; a finished run is reused only when its settings match. The rows are
+every step; a finished run is reused only when its settings match. ``jobs`` runs train at once,
+each in its own process (``--jobs``; scheduling only, in no digest). The rows are
 :data:`~treegrpo.benchmarks.learn_spec.ROW_KEYS` plus :data:`EXTRA_KEYS`; ``paired`` holds
 tree − chain per budget and seed.
 
@@ -38,6 +39,7 @@ from treegrpo.benchmarks.runner import (
     digest,
     held_out_eval,
     pyplot,
+    run_jobs,
     save_figure,
     torch_threads,
     write_result,
@@ -55,6 +57,9 @@ EXTRA_KEYS: tuple[str, ...] = (
 TOKEN_KEYS: tuple[str, ...] = ("budget_tokens", "eval_every_tokens", "tool_curve")
 #: Samples per candidate question in :func:`select_pool` (one chain group from the start).
 SELECT_SAMPLES = 4
+#: Questions per rollout call of :func:`select_pool` and :func:`start_probe`: 64 questions × 4
+#: samples in one batch took over 19 GB on SmolLM2-135M (observations of up to 600 tokens).
+ROLLOUT_CHUNK = 16
 #: The paper's figures (Qwen2.5-3B, multi-hop QA, EM × 100) the table is shown beside.
 PAPER = {"chain 2": 14.9, "tree (1,2,1)": 31.6, "tree (2,2,1)": 36.8}
 
@@ -78,6 +83,8 @@ class TableSpec:
             training question); the runs train only on the candidates the start is unsure of.
         overrides: further :class:`~treegrpo.training.config.TrainConfig` fields of every run
             (``--set key=value``: LoRA, packing, threads, agent limits, engine), the same for both samplers.
+        jobs: runs trained at once, each in its own process (one torch thread each by default); how
+            the runs are scheduled, not what they are: no run folder or stage depends on it.
     """
 
     model: str
@@ -95,12 +102,13 @@ class TableSpec:
     probe_prompts: int = 0
     select_prompts: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
+    jobs: int = 1
 
     def __post_init__(self) -> None:
         if bad := [b for b in self.budgets if b not in PAPER_PAIRS]:
             raise ConfigError(f"--budgets {bad}: the table pairs the paper's budgets only; choose from {sorted(PAPER_PAIRS)}")
-        if not self.seeds or min(self.steps, self.prompts_per_step, self.eval_prompts) < 1 or self.eval_every < 0:
-            raise ConfigError("the table needs ≥ 1 seed, steps, prompts per step and eval prompts (and --eval-every ≥ 0)")
+        if not self.seeds or min(self.steps, self.prompts_per_step, self.eval_prompts, self.jobs) < 1 or self.eval_every < 0:
+            raise ConfigError("the table needs ≥ 1 seed, steps, prompts per step, eval prompts and jobs (and --eval-every ≥ 0)")
         if self.matched not in ("nominal", "tokens") or min(self.eval_every_tokens, self.probe_prompts, self.select_prompts) < 0:
             raise ConfigError(f"--matched {self.matched!r}: choose nominal or tokens (and --eval-every-tokens, --probe-prompts, --select-prompts ≥ 0)")
 
@@ -236,7 +244,8 @@ def _pooled_parts(cfg: Any, pool: list[str]) -> Any:
 
 def _rollout_from_start(spec: TableSpec, work: Path, tasks_of: Any, samplers: list[tuple[str, Any]]) -> dict[str, Any]:
     """Roll out from the starting folder without an update: ``tasks_of(parts)`` questions under each
-    ``(label, SamplerConfig)``; per label, every forest's leaf rewards by prompt id, and the generated tokens."""
+    ``(label, SamplerConfig)``, :data:`ROLLOUT_CHUNK` questions per call (one random stream per
+    sampler); per label, every forest's leaf rewards by prompt id, and the generated tokens."""
     import random
 
     import torch
@@ -255,11 +264,14 @@ def _rollout_from_start(spec: TableSpec, work: Path, tasks_of: Any, samplers: li
         runner = StepRunner(engine, parts.env, parts.tokenizer, parts.agent_cfg)
         tasks = tasks_of(parts)
         for label, scfg in samplers:
-            res = get_sampler(scfg.name)(runner, tasks, scfg, random.Random(0), torch.Generator().manual_seed(0))
-            out[label] = {
-                "rewards": {f.prompt_id: [float(leaf.reward or 0) for _, leaf in f.leaves()] for f in res.forests},
-                "generated_tokens": res.total().generated_tokens, "prompts": len(tasks),
-            }  # fmt: skip
+            rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+            rewards: dict[str, list[float]] = {}
+            tokens = 0
+            for i in range(0, len(tasks), ROLLOUT_CHUNK):  # one batch of every leaf at once does not fit in memory
+                res = get_sampler(scfg.name)(runner, tasks[i : i + ROLLOUT_CHUNK], scfg, rng, gen)
+                rewards |= {f.prompt_id: [float(leaf.reward or 0) for _, leaf in f.leaves()] for f in res.forests}
+                tokens += res.total().generated_tokens
+            out[label] = {"rewards": rewards, "generated_tokens": tokens, "prompts": len(tasks)}
     return out
 
 
@@ -391,7 +403,10 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     pool = selection["pool"] if selection else None
     probe = start_probe(spec, work, log, pool) if spec.matched == "tokens" and spec.probe_prompts else None
     task_ids = train_prompt_ids(spec)
-    rows = [run_one(spec, r, work, start["eval"], task_ids, log, pool) for r in spec.runs()]
+    rows_of: dict[int, dict[str, Any]] = {}
+    jobs = [(i, (spec, r, work, start["eval"], task_ids, log if spec.jobs <= 1 else print, pool)) for i, r in enumerate(spec.runs())]
+    run_jobs(run_one, jobs, spec.jobs, rows_of.__setitem__)
+    rows = [rows_of[i] for i in range(len(jobs))]
     runs_s = sum(r["wall_s"] for r in rows)
     results = {
         "format": FORMAT,

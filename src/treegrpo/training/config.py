@@ -467,10 +467,15 @@ def _one_line_yaml(err: yaml.YAMLError) -> str:
     return f"{getattr(err, 'problem', None) or err}{where}".replace("\n", " ")
 
 
+#: TrainConfig fields whose value is a mapping (``--set`` keeps a YAML mapping for these).
+_MAPPING_FIELDS = frozenset(k for k, f in TrainConfig.model_fields.items() if getattr(f.annotation, "__origin__", f.annotation) is dict)
+
+
 def parse_set(pairs: list[str]) -> dict[str, Any]:
     """``--set key=value`` pairs. A value is read as a YAML scalar (``3``, ``true``, ``1e-4``,
     ``null``, ``[a, b]``); a mapping or text YAML rejects (``Q: {question}``, ``a: b``) is taken
-    as the literal string, so a prompt template needs no quoting."""
+    as the literal string, so a prompt template needs no quoting — except for a field that is a
+    mapping (``engine_options={max_batch_size: 64}``), which keeps it."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -480,7 +485,7 @@ def parse_set(pairs: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(v)
         except yaml.YAMLError:
             value = v
-        if isinstance(value, dict):
+        if isinstance(value, dict) and k.strip().replace("-", "_") not in _MAPPING_FIELDS:
             value = v
         out[k.strip().replace("-", "_")] = value
     return out
