@@ -8,7 +8,7 @@ each observation once and keeps every generated id as it was sampled (DESIGN.md 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -170,3 +170,37 @@ def check_outcomes(env: Any, outcomes: Any, n_steps: int) -> list[StepOutcome]:
         if o.done and o.reward is None:
             raise ConfigError(f"env {name}.step ended a trajectory ({o.kind}) without a reward: set StepOutcome.reward when done")
     return list(outcomes)
+
+
+def step_stream(env: Any, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool],
+                **kwargs: Any) -> Iterator[tuple[int, StepOutcome]]:
+    """The outcomes of one batch of steps as they become ready: ``(index into the batch, outcome)``,
+    every index exactly once, in any order (DESIGN.md §3.9 — a trajectory whose tool results are
+    back goes on without waiting for the slowest call of the batch).
+
+    An env with a ``step_stream`` method of the same signature (e.g. :class:`~treegrpo.envs.tool_env.ToolEnv`,
+    whose calls run concurrently and finish at their own speed) gives its outcomes one by one; for
+    any other env this is ``env.step`` on the whole batch, yielded in order once it returns. Every
+    outcome is checked as :func:`check_outcomes` checks ``step``'s (one per step, declared kinds,
+    a reward when done).
+
+    Raises:
+        ConfigError: one line naming the env and the fix (a missing, repeated or bad outcome).
+    """
+    own = getattr(env, "step_stream", None)
+    if not callable(own):
+        yield from enumerate(check_outcomes(env, env.step(tasks, steps, search_allowed, **kwargs), len(steps)))
+        return
+    seen: set[int] = set()
+    for i, outcome in own(tasks, steps, search_allowed, **kwargs):
+        if not isinstance(i, int) or not 0 <= i < len(steps) or i in seen:
+            raise ConfigError(
+                f"env {env_name(env)}.step_stream gave index {i!r} for {len(steps)} steps: give each step's index once"
+            )
+        seen.add(i)
+        [checked] = check_outcomes(env, [outcome], 1)
+        yield i, checked
+    if len(seen) != len(steps):
+        raise ConfigError(
+            f"env {env_name(env)}.step_stream gave {len(seen)} outcomes for {len(steps)} steps: give one per step"
+        )
