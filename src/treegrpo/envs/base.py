@@ -53,6 +53,11 @@ class StepOutcome:
         tool_calls: tool calls this step made (0 or 1 for search).
         retrieval_error: the tool failed; the observation tells the model so.
         info: anything else worth logging (the parsed query or answer…).
+        observation_parts: the observation split into ``(text, control)`` pieces whose texts join
+            to ``observation``: ``control`` pieces (a chat template's turn markers) are tokenized
+            with the tokenizer's special tokens, the others — what a tool returned — as plain text,
+            so a tool result cannot write a control token (DESIGN.md §3.10). ``None``: the whole
+            observation is plain text.
     """
 
     kind: ActionKind
@@ -62,6 +67,7 @@ class StepOutcome:
     tool_calls: int = 0
     retrieval_error: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    observation_parts: tuple[tuple[str, bool], ...] | None = None
 
 
 @runtime_checkable
