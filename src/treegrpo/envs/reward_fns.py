@@ -178,15 +178,41 @@ class RewardSet:
             ) from None
         if len(values) != n:
             raise ConfigError(f"reward function {name} returned {len(values)} values for {n} completions")
-        out: list[float | None] = []
-        for v, task in zip(values, tasks, strict=True):
-            if v is None:
-                out.append(None)
-            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)):
-                raise ConfigError(f"reward function {name} returned {v!r} for row {task.id}: a finite number or None")
-            else:
-                out.append(float(v))
-        return out
+        return [reward_value(v, f"reward function {name}", task.id) for v, task in zip(values, tasks, strict=True)]
+
+
+def reward_value(value: Any, who: str, row: str | None = None) -> float | None:
+    """One reward as a float (``None`` stays ``None``: the reward does not apply): a Python,
+    numpy or torch number — a 0-d array or tensor, or a one-element one — or a bool (``True`` is
+    1.0, as TRL sums them).
+
+    Raises:
+        ConfigError: ``who`` returned anything else, or a number that is not finite (one line,
+            naming ``who`` and the row).
+    """
+    if value is None:
+        return None
+    v = value
+    item = getattr(v, "item", None)
+    if callable(item) and _one_element(v):  # numpy / torch scalars, 0-d and one-element arrays
+        v = item()
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(float(v)):
+        return float(v)
+    where = f" for row {row}" if row is not None else ""
+    raise ConfigError(f"{who} returned {value!r}{where}: a reward is a finite number (or None: does not apply)")
+
+
+def _one_element(v: Any) -> bool:
+    numel = getattr(v, "numel", None)
+    if callable(numel):
+        try:
+            return int(numel()) == 1
+        except (TypeError, ValueError):
+            return False
+    size = getattr(v, "size", None)
+    return isinstance(size, int) and size == 1
 
 
 def _columns(tasks: Sequence[Task]) -> dict[str, list[Any]]:
@@ -217,6 +243,7 @@ __all__ = [
     "final_text",
     "resolve_reward",
     "reward_ref",
+    "reward_value",
     "substring_match",
     "token_f1",
 ]
