@@ -5,8 +5,8 @@ turn, and generation runs while other trajectories' calls are in flight.
 The main thread owns the engine, the trees, the budgets and the sampler's ``on_end``; every
 engine call's batch is handed to the env on its own worker thread, which iterates
 :func:`~treegrpo.envs.base.step_stream` (an env's concurrent ``step_stream``, else ``env.step`` on
-the batch — the search env's retrieval is then batched across whatever was ready) and posts each
-outcome as it comes. The main thread turns each outcome into its node as it arrives
+the batch — the search env's retrieval is then batched across whatever was ready — whose outcomes
+are posted together) and posts each outcome as it comes. The main thread turns each outcome into its node as it arrives
 (:meth:`Loop.finish_step`); a trajectory that goes on, and the expansions ``on_end`` starts for
 one that ended, wait in the *ready* set for the next engine call.
 
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from treegrpo.envs.base import step_stream
+from treegrpo.envs.base import StepOutcome, step_stream
 from treegrpo.rollout.engine import Generation
 from treegrpo.tree import Forest, Tree
 
@@ -84,7 +84,7 @@ def run_pipelined(loop: Loop, cursors: Sequence[Cursor]) -> int:
     once go to the runner's ``loop_stats``."""
     runner = loop.runner
     env, stats = runner.env, runner.loop_stats
-    results: queue.SimpleQueue[tuple[int, int, Any]] = queue.SimpleQueue()
+    results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     flights: dict[int, _Flight] = {}
     ready: list[Cursor] = loop.admit(cursors)
     in_flight = calls = 0
@@ -92,27 +92,32 @@ def run_pipelined(loop: Loop, cursors: Sequence[Cursor]) -> int:
     now = time.perf_counter()
     first_ready = last_arrival = busy_since = now
 
+    streams_own = callable(getattr(env, "step_stream", None))
+
     def consume(bid: int, tasks: list[Any], texts: list[str], allowed: list[bool], kwargs: dict[str, Any]) -> None:
         try:
+            if not streams_own:  # the whole batch at once: one item, so it is never split
+                results.put((bid, list(step_stream(env, tasks, texts, allowed, **kwargs))))
+                return
             for i, outcome in step_stream(env, tasks, texts, allowed, **kwargs):
-                results.put((bid, i, outcome))
+                results.put((bid, [(i, outcome)]))
         except BaseException as e:  # handed to the main thread, raised there
-            results.put((bid, -1, e))
+            results.put((bid, e))
 
-    def arrive(bid: int, i: int, outcome: Any) -> None:
+    def arrive(bid: int, outcomes: list[tuple[int, StepOutcome]] | BaseException) -> None:
         nonlocal in_flight, first_ready, last_arrival
-        if i < 0:
-            raise outcome
+        if isinstance(outcomes, BaseException):
+            raise outcomes
         flight = flights[bid]
-        c = flight.cursors[i]
-        go_on = loop.admit(loop.finish_step(c, flight.gens[i], flight.texts[i], outcome))
-        in_flight -= 1
-        if in_flight == 0:
-            stats.env_s += time.perf_counter() - busy_since
+        for i, outcome in outcomes:
+            go_on = loop.admit(loop.finish_step(flight.cursors[i], flight.gens[i], flight.texts[i], outcome))
+            in_flight -= 1
+            if in_flight == 0:
+                stats.env_s += time.perf_counter() - busy_since
+            if go_on and not ready:
+                first_ready = time.perf_counter()
+            ready.extend(go_on)
         last_arrival = time.perf_counter()
-        if go_on and not ready:
-            first_ready = last_arrival
-        ready.extend(go_on)
 
     while ready or in_flight:
         now = time.perf_counter()
