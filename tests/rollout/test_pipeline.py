@@ -354,12 +354,44 @@ def test_chain_latency_is_the_longest_path_sum() -> None:
 def test_launch_policy() -> None:
     # nothing in flight: go at once, whatever the times
     assert launch_due(10.0, 0, 10.0, 10.0, 1.0)
-    # results keep arriving (last one 10 ms ago, quiet = 50 ms for a 1 s call): gather
+    # results keep arriving (last one 10 ms ago; quiet = 250 ms, longest wait 500 ms for a 1 s call): gather
     assert not launch_due(10.0, 3, 9.9, 9.99, 1.0)
-    # a quiet pause of 50 ms: go
-    assert launch_due(10.0, 3, 9.9, 9.95, 1.0)
+    # a quiet pause of 250 ms: go
+    assert launch_due(10.0, 3, 9.7, 9.75, 1.0)
     # arrivals never pause, but the first ready one has waited half a call: go
     assert launch_due(10.0, 3, 9.5, 9.999, 1.0)
-    # a fast engine (10 ms calls): the pause floor is 2 ms, the longest wait 5 ms
-    assert not launch_due(10.0, 1, 9.999, 9.999, 0.01) and launch_due(10.0, 1, 9.999, 9.997, 0.01)
-    assert launch_due(10.0, 1, 9.995, 9.999, 0.01)
+    # a fast engine (6 ms calls): the pause floor is 2 ms (not 1.5), the longest wait 3 ms
+    assert not launch_due(10.0, 1, 9.9985, 9.9985, 0.006) and launch_due(10.0, 1, 9.9985, 9.998, 0.006)
+    assert launch_due(10.0, 1, 9.997, 9.9999, 0.006)
+
+
+class FixedLatency(LatencyEnv):
+    """Every call takes no time but records 0.1 s (a hand-countable latency)."""
+
+    def step_stream(self, tasks: Sequence[Task], steps: Sequence[str], allowed: Sequence[bool], **kw: Any
+                    ) -> Iterator[tuple[int, StepOutcome]]:  # fmt: skip
+        for i, o in enumerate(self.inner.step(tasks, steps, allowed, **kw)):
+            if o.tool_calls:
+                o.info = {**o.info, "tool_latency_s": [0.1]}
+            yield i, o
+
+
+@pytest.mark.parametrize("flags", [{}, {"rollout_pipeline": True}])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_critical_latency_counts_the_round_barrier(tok: Any, flags: dict[str, bool], seed: int) -> None:
+    """One tree (1, 1, 1): the chain searches twice (0.1 s each) then answers; the expansion waits
+    for the whole chain (0.2 s) and then for its own searches: 0.2 + 0.1 per search it makes,
+    where the root→leaf chain is 0.2 whatever was picked."""
+    def policy(context: str, draw: float) -> str:
+        return "<answer> paris </answer>" if context.count("<information>") >= 2 else "<search> capital france </search>"
+
+    env = FixedLatency(SearchEnv(BM25Retriever(DOCS), topk=2, prompt_template="minimal"), 0)
+    runner = StepRunner(ScriptedEngine(tok, policy), env, tok, AgentConfig(max_turns=3, **flags))
+    cfg = SamplerConfig("tree", m=1, n=1, l=1)
+    res = sample_trees(runner, TASKS[:1], cfg, random.Random(seed), torch.Generator().manual_seed(seed))
+    tree = res.forests[0].trees[0]
+    chain = [n.id for n in tree.path(tree.leaves()[0].id)]  # the initial chain's path (its leaf is first)
+    own = [n for n in tree.nodes if n.parent is not None and n.id not in chain]  # the expansion's steps
+    searches = sum("tool_latency_s" in n.extra for n in own)
+    assert chain_latency(res.forests) == pytest.approx(0.2)
+    assert runner.loop_stats.take().critical_latency_s == pytest.approx(0.2 + 0.1 * searches)

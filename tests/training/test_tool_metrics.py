@@ -34,10 +34,10 @@ BASE = {
 
 def test_tool_metrics_prefer_the_envs_counters() -> None:
     tree = Tree([Node(0, None), Node(1, 0, extra={"tool_latency_s": [0.25, 0.5]}), Node(2, 1, extra={"tool_latency_s": [1.0]})])
-    loop = LoopStats(engine_s=2.0, env_s=3.0, idle_s=1.5, peak_in_flight=8)
+    loop = LoopStats(engine_s=2.0, env_s=3.0, idle_s=1.5, peak_in_flight=8, critical_latency_s=2.5)
     own = tool_metrics(loop, None, [Forest("p", [tree])])
     assert own == {"tools/wall_s": 3.0, "tools/peak_in_flight": 8.0, "time/engine_idle_s": 1.5, "time/engine_s": 2.0,
-                   "tools/chain_latency_s": 1.75}  # fmt: skip
+                   "tools/chain_latency_s": 1.75, "tools/critical_latency_s": 2.5}  # fmt: skip
     env = tool_metrics(loop, {"calls": 12, "busy_s": 0.9, "peak_in_flight": 5, "abandoned": 1}, [])
     assert (env["tools/wall_s"], env["tools/peak_in_flight"], env["tools/calls"], env["tools/abandoned"]) == (0.9, 5.0, 12.0, 1.0)
     assert env["tools/chain_latency_s"] == 0.0
@@ -45,9 +45,9 @@ def test_tool_metrics_prefer_the_envs_counters() -> None:
 
 def test_the_printed_line_shows_tools_only_when_measured() -> None:
     assert "tools" not in step_line(1, BASE).split("·")[-1]
-    line = step_line(1, BASE | tool_metrics(LoopStats(1.0, 2.0, 0.75, 3), {"calls": 4, "busy_s": 2.5,
-                                                                             "peak_in_flight": 6, "abandoned": 0}, []))  # fmt: skip
-    assert "tools 2.5s peak 6 idle 0.8s chain 0.0s" in line
+    line = step_line(1, BASE | tool_metrics(LoopStats(1.0, 2.0, 0.75, 3, 1.25), {"calls": 4, "busy_s": 2.5,
+                                                                                   "peak_in_flight": 6, "abandoned": 0}, []))  # fmt: skip
+    assert "tools 2.5s peak 6 idle 0.8s chain 0.0s/1.2s" in line
 
 
 class CountingSearch(SearchEnv):

@@ -184,6 +184,8 @@ class Cursor:
     task: Task
     state: Any = None
     stream: tuple[int, int] | None = None
+    clock: float = 0.0
+    """Summed tool latency (s) of the calls this trajectory waited for, its start's included."""
 
 
 @dataclass
@@ -196,17 +198,22 @@ class LoopStats:
         idle_s: seconds the engine sat idle waiting for env steps (nothing ready to generate, or
             the pipelined loop gathering a batch).
         peak_in_flight: the most trajectories whose env step was out at once.
+        critical_latency_s: the longest chain of dependent tool calls, in summed latency
+            (``tool_latency_s`` of the outcomes): a trajectory's calls in order, and the cursors
+            a sampler starts when one ends (``on_end``: a tree's next round) after every
+            trajectory of that tree ended so far — the round barrier a root→leaf path ignores.
     """
 
     engine_s: float = 0.0
     env_s: float = 0.0
     idle_s: float = 0.0
     peak_in_flight: int = 0
+    critical_latency_s: float = 0.0
 
     def take(self) -> LoopStats:
         """The totals so far; the counters restart at zero."""
         out = replace(self)
-        self.engine_s = self.env_s = self.idle_s = 0.0
+        self.engine_s = self.env_s = self.idle_s = self.critical_latency_s = 0.0
         self.peak_in_flight = 0
         return out
 

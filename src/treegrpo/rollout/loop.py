@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,12 +42,13 @@ class Loop:
     generator: torch.Generator | None
     base: int | None
     anonymous: int = 0
+    tree_clock: dict[int, float] = field(default_factory=dict)
 
     def admit(self, cursors: Sequence[Cursor]) -> list[Cursor]:
         """The cursors ready for a step: each given its start node's state (a stateful env); one
         whose context leaves no room for a step ends in a leaf (``end_without_room``), and the
         cursors ``on_end`` returns for it are admitted in turn."""
-        runner, budgets, keeper, on_end = self.runner, self.budgets, self.keeper, self.on_end
+        runner, budgets, keeper = self.runner, self.budgets, self.keeper
         active = list(cursors)
         while active:
             if keeper is not None:  # a new trajectory starts in its start node's state
@@ -64,9 +65,21 @@ class Loop:
                     if keeper is not None:
                         keeper.close(c.state)
                         c.state = None
-                    fits.extend(on_end(c) if on_end is not None else ())
+                    fits.extend(self.ended(c))
             active = fits
         return active
+
+    def ended(self, c: Cursor) -> list[Cursor]:
+        """``c``'s trajectory ended: the cursors ``on_end`` starts, their latency clocks set to
+        the latest end of any trajectory of their tree so far (``critical_latency_s``)."""
+        key = id(c.tree)
+        self.tree_clock[key] = max(self.tree_clock.get(key, 0.0), c.clock)
+        stats = self.runner.loop_stats
+        stats.critical_latency_s = max(stats.critical_latency_s, c.clock)
+        new = list(self.on_end(c)) if self.on_end is not None else []
+        for n in new:
+            n.clock = max(n.clock, self.tree_clock.get(id(n.tree), 0.0))
+        return new
 
     def seeds(self, batch: Sequence[Cursor]) -> list[int] | None:
         """Each request's seed under ``base`` (:func:`~treegrpo.rollout.streams.stream_seed` of its
@@ -117,6 +130,7 @@ class Loop:
         runner, keeper = self.runner, self.keeper
         cfg = runner.cfg
         self.budgets[c.forest_index].count_step(g, out)
+        c.clock += sum(float(x) for x in out.info.get("tool_latency_s") or ())
         obs_ids: list[int] = []
         obs_text = out.observation
         done, reward, info = out.done, out.reward, dict(out.info)
@@ -164,7 +178,7 @@ class Loop:
             c.parent_id = node.id
             c.turn += 1
             return [c]
-        return list(self.on_end(c)) if self.on_end is not None else []
+        return self.ended(c)
 
     def run_sequential(self, cursors: Sequence[Cursor]) -> int:
         """The sequential loop: one engine call per turn for every active cursor, then one env

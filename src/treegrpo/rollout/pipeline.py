@@ -14,7 +14,7 @@ one that ended, wait in the *ready* set for the next engine call.
 
 1. nothing is in flight (no result can join it: exactly the sequential loop's batch — so with
    tools that answer at once the two loops make the same calls), or
-2. no result has arrived for ``quiet`` = max(2 ms, 5% of the last engine call's wall): the
+2. no result has arrived for ``quiet`` = max(2 ms, 25% of the last engine call's wall): the
    results that come back together (one turn's calls of a constant-latency tool) go together, or
 3. the first ready cursor has waited half the last engine call's wall: a straggler does not hold
    back the ones that are ready (a later call takes it).
@@ -48,7 +48,7 @@ __all__ = ["QUIET_MIN_S", "chain_latency", "launch_due", "run_pipelined", "tool_
 
 QUIET_MIN_S = 0.002
 """The shortest pause in arrivals after which a gathered batch is launched (seconds)."""
-QUIET_FRACTION = 0.05
+QUIET_FRACTION = 0.25
 """… or this fraction of the last engine call's wall, when longer."""
 MAX_WAIT_FRACTION = 0.5
 """A ready cursor waits at most this fraction of the last engine call's wall for others."""

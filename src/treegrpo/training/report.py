@@ -85,7 +85,7 @@ def step_line(step: int, m: dict[str, float], label: str = "success") -> str:
     if "tools/wall_s" in m:  # tools with latency: where the rollout's time went (tool_metrics)
         line += (
             f" · tools {m['tools/wall_s']:.1f}s peak {int(m['tools/peak_in_flight'])} "
-            f"idle {m['time/engine_idle_s']:.1f}s chain {m['tools/chain_latency_s']:.1f}s"
+            f"idle {m['time/engine_idle_s']:.1f}s chain {m['tools/chain_latency_s']:.1f}s/{m['tools/critical_latency_s']:.1f}s"
         )
     if "eval/success_greedy" in m or "eval/success_sampled" in m:
         word = "" if label == "success" else f"{label} "
@@ -99,14 +99,16 @@ def tool_metrics(loop: LoopStats, tools: dict[str, Any] | None, forests: Sequenc
     ``tools/peak_in_flight`` (the env's calls in flight at peak, else the loop's steps out at
     once), ``tools/calls`` and ``tools/abandoned`` (the env's, when it counts them),
     ``time/engine_idle_s`` (the engine waiting for tools), ``time/engine_s`` and
-    ``tools/chain_latency_s`` (the longest chain of dependent calls:
-    :func:`~treegrpo.rollout.pipeline.chain_latency`)."""
+    ``tools/chain_latency_s`` (the longest root→leaf chain of calls:
+    :func:`~treegrpo.rollout.pipeline.chain_latency`) and ``tools/critical_latency_s`` (the same
+    with a tree's round barrier: :class:`~treegrpo.rollout.agent.LoopStats`)."""
     out = {
         "tools/wall_s": float(tools["busy_s"]) if tools else loop.env_s,
         "tools/peak_in_flight": float(tools["peak_in_flight"]) if tools else float(loop.peak_in_flight),
         "time/engine_idle_s": loop.idle_s,
         "time/engine_s": loop.engine_s,
         "tools/chain_latency_s": chain_latency(forests),
+        "tools/critical_latency_s": loop.critical_latency_s,
     }
     if tools:
         out.update({"tools/calls": float(tools["calls"]), "tools/abandoned": float(tools["abandoned"])})
