@@ -91,13 +91,16 @@ def test_a_pipelined_run_logs_and_prints_its_tools(tiny_model_dir: Path, tmp_pat
     cfg = make_config({"steps": 1, "prompts_per_step": 2, "eval_every": 0, "out_dir": str(out), "tensorboard": False,
                        "dump_rollouts_every": 1})  # fmt: skip
     text = io.StringIO()
-    train(cfg, Console(file=text, width=300), parts=parts_of(tiny_model_dir, env, rollout_pipeline=True))
+    parts = parts_of(tiny_model_dir, env, rollout_pipeline=True)
+    parts.eval_tasks = parts.eval_tasks * 4  # a step-0 evaluation longer than the rollout
+    train(cfg, Console(file=text, width=300), parts=parts)
     row = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
     forests = [json.loads(x) for x in next((out / "rollouts").glob("*.jsonl")).read_text().splitlines()]
     lat = [n["tool_latency_s"] for f in forests for t in f["trees"] for n in t["nodes"] if "tool_latency_s" in n]
     assert row["tools/calls"] == row["budget/tool_calls"] == len(lat)  # this rollout's calls, evaluation's dropped
     assert row["tools/wall_s"] == 0.02 * len(lat) and row["time/engine_idle_s"] >= 0.0
     assert (row["tools/chain_latency_s"] > 0) == bool(lat)
+    assert row["time/engine_s"] <= row["time/rollout_s"]  # this rollout's engine time, not evaluation's too
     assert " · tools " in text.getvalue() and env.takes == 2
 
 

@@ -222,7 +222,7 @@ def train(
             engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
             before = engine_stats(engine)  # the engine's model work so far (None: it counts none)
-            tool_stats = _tool_counters(parts.env)  # evaluation's calls dropped: this rollout's only
+            tool_stats = _tool_counters(runner, parts.env)  # evaluation's dropped: this rollout's only
             result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
             result.count_engine(before, engine_stats(engine))  # this rollout's: engine/* metrics
             loop_stats, tools = runner.loop_stats.take(), (tool_stats.take() if tool_stats is not None else None)
@@ -295,9 +295,10 @@ def train(
     return summary
 
 
-def _tool_counters(env: Any) -> Any:
-    """The env's ``tool_stats`` (``take()`` -> calls, busy_s, peak_in_flight, abandoned), reset
-    now, or ``None`` for an env that keeps none."""
+def _tool_counters(runner: StepRunner, env: Any) -> Any:
+    """Reset the loop's ``loop_stats`` and return the env's ``tool_stats`` (``take()`` -> calls,
+    busy_s, peak_in_flight, abandoned), reset too, or ``None`` for an env that keeps none."""
+    runner.loop_stats.take()
     stats = getattr(env, "tool_stats", None)
     if stats is not None:
         stats.take()
