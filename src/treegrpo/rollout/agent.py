@@ -33,6 +33,8 @@ from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams, takes_seeds
+from treegrpo.rollout.loop import Loop
+from treegrpo.rollout.pipeline import run_pipelined
 from treegrpo.rollout.state import StateKeeper
 from treegrpo.rollout.streams import base_seed
 from treegrpo.rollout.templates import check_tool_template, rerender_note
@@ -385,9 +387,6 @@ class StepRunner:
         runs instead; with per-trajectory streams (``cfg.streams``) one base seed is drawn from
         ``generator`` and every request samples from its own stream under it.
         """
-        from treegrpo.rollout.loop import Loop  # the loops build on this module's types
-        from treegrpo.rollout.pipeline import run_pipelined
-
         keeper = StateKeeper.for_env(self.env, kept_observation=lambda obs: self.observation_ids(obs)[0])
         base = base_seed(generator) if self.cfg.streams else None
         loop = Loop(self, budgets, params or self.params, on_end, keeper, generator, base)
