@@ -234,6 +234,36 @@ def test_a_ready_trajectory_is_generated_while_a_slow_call_is_in_flight(tok: Any
     assert [f.trees[0].leaves()[0].extra["kind"] for f in res.forests] == ["answer", "answer"]
 
 
+def test_a_prompts_expansions_start_while_another_prompts_call_is_in_flight(tok: Any) -> None:
+    """q0's first search blocks until the engine has been asked for q1's expansion (its third
+    request: chain search, chain answer, then the expansion): a tree's next round starts when its
+    own trajectories end, not when the other prompts' calls do."""
+    expanded = threading.Event()
+    seen = {"q1": 0}
+
+    class Blocking(LatencyEnv):
+        def step_stream(self, tasks: Sequence[Task], steps: Sequence[str], allowed: Sequence[bool], **kw: Any
+                        ) -> Iterator[tuple[int, StepOutcome]]:  # fmt: skip
+            outs = self.inner.step(tasks, steps, allowed, **kw)
+            slow = [i for i, t in enumerate(tasks) if t.id == "q0" and outs[i].kind == "search"]
+            yield from ((i, o) for i, o in enumerate(outs) if i not in slow)
+            for i in slow:
+                assert expanded.wait(timeout=5.0), "q1's expansion waited for q0's call"
+                yield i, outs[i]
+
+    def policy(context: str, draw: float) -> str:
+        if "capital number 1" in context:
+            seen["q1"] += 1
+            if seen["q1"] == 3:
+                expanded.set()
+        return "<answer> paris </answer>" if "<information>" in context else "<search> capital france </search>"
+
+    env = Blocking(SearchEnv(BM25Retriever(DOCS), topk=2, prompt_template="minimal"), 0)
+    runner = StepRunner(ScriptedEngine(tok, policy), env, tok, AgentConfig(max_turns=3, rollout_pipeline=True))
+    res = sample_trees(runner, TASKS[:2], SamplerConfig("tree", m=1, n=1, l=1), random.Random(0), None)
+    assert expanded.is_set() and [f.n_trajectories() for f in res.forests] == [2, 2]
+
+
 def test_no_latency_pipelined_makes_the_sequential_calls(tok: Any) -> None:
     """An env without a step_stream (the search env: its batch answered by one ``step``): the
     pipelined loop's engine calls are the sequential loop's, batch for batch."""
