@@ -17,7 +17,7 @@ from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig, StepRunner
 from treegrpo.rollout.engine import SamplingParams, make_engine, takes_seeds
-from treegrpo.rollout.hf_decode import sample_rows
+from treegrpo.rollout.hf_decode import row_uniforms, sample_rows
 from treegrpo.rollout.samplers import SamplerConfig, sample_trees
 from treegrpo.rollout.streams import insert_in_order, node_place, renumber, stream_seed
 from treegrpo.tree import Node, Tree
@@ -32,23 +32,28 @@ def test_stream_seed_is_a_fixed_hash_of_the_place() -> None:
     assert stream_seed(7, -1, 5) != stream_seed(7, 1, 5)
 
 
-def test_sample_rows_inverts_each_rows_cdf_with_its_own_draw() -> None:
+def test_sample_rows_inverts_each_rows_cdf_at_its_own_uniform() -> None:
     probs = torch.tensor([[0.0, 0.25, 0.75], [0.5, 0.5, 0.0]])
-    for seed in range(200):
-        g0, g1 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1000)
-        u0 = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
-        u1 = float(torch.rand((), generator=torch.Generator().manual_seed(seed + 1000), dtype=torch.float64))
-        tok = sample_rows(probs, [g0, g1]).tolist()
-        assert tok == [1 if u0 < 0.25 else 2, 0 if u1 < 0.5 else 1]  # zero-probability tokens never
+    for u0, u1, want in ((0.0, 0.0, [1, 0]), (0.2499, 0.4999, [1, 0]), (0.25, 0.5, [2, 1]), (0.9999, 0.9999, [2, 1])):
+        assert sample_rows(probs, torch.tensor([u0, u1], dtype=torch.float64)).tolist() == want  # zero-probability: never
         # row 0 alone draws the same token: the other row changes nothing
-        assert sample_rows(probs[:1], [torch.Generator().manual_seed(seed)]).tolist() == tok[:1]
+        assert sample_rows(probs[:1], torch.tensor([u0], dtype=torch.float64)).tolist() == want[:1]
     with pytest.raises(ValueError, match="one per row"):
-        sample_rows(probs, [torch.Generator()])
+        sample_rows(probs, torch.zeros(1, dtype=torch.float64))
+
+
+def test_row_uniforms_are_each_requests_own_draws() -> None:
+    u = row_uniforms([5, 6], 4)
+    assert u.shape == (2, 4) and u.dtype == torch.float64
+    assert torch.equal(u[0], torch.rand(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    assert torch.equal(row_uniforms([6], 4)[0], u[1]) and torch.equal(row_uniforms([5], 2)[0], u[0, :2])
+    assert row_uniforms([], 3).shape == (0, 3)
 
 
 def test_unnormalised_rows_and_the_top_edge() -> None:
     probs = torch.tensor([[0.0, 2.0, 0.0]])  # a nucleus-filtered row: mass 2, one token left
-    assert sample_rows(probs, [torch.Generator().manual_seed(3)]).tolist() == [1]
+    assert sample_rows(probs, torch.tensor([0.999999999], dtype=torch.float64)).tolist() == [1]
+    assert sample_rows(probs, torch.tensor([0.0], dtype=torch.float64)).tolist() == [1]
 
 
 def test_insert_in_order_and_renumber() -> None:

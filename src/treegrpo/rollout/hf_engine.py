@@ -90,6 +90,7 @@ from treegrpo.rollout.hf_decode import (
     check_stop_strings,
     eos_ids,
     pad_id,
+    row_uniforms,
     sample,
 )
 from treegrpo.rollout.hf_prefill import HFForward, bucketed_prefill, share_prefixes
@@ -204,9 +205,10 @@ class HFEngine:
         Each step ends right after an EOS / stop id / token completing a stop string (that token
         is returned), or after ``params.max_new_tokens`` tokens. Draws come from ``generator``
         (the global RNG when ``None``), so a seeded generator gives reproducible samples; prefix
-        reuse does not change which draws are made. ``seeds`` (one per context): each request
-        draws from its own CPU generator seeded with its seed instead (``generator`` unused), so
-        its tokens do not depend on the other requests or the chunking (up to batch numerics).
+        reuse does not change which draws are made. ``seeds`` (one per context): request ``i``'s
+        ``t``-th token is drawn at the ``t``-th uniform of a CPU generator seeded with
+        ``seeds[i]`` instead (``generator`` unused), so its tokens do not depend on the other
+        requests or the chunking (up to batch-dependent numerics).
 
         Raises:
             ValueError: an empty context, bad sampling params, stop strings without a tokenizer,
@@ -217,7 +219,6 @@ class HFEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(contexts)} contexts: give one seed per context")
         if not contexts:
             return []
-        rows = None if seeds is None else [torch.Generator().manual_seed(int(s)) for s in seeds]
         ctxs: list[Tokens] = [tuple(int(t) for t in c) for c in contexts]
         n = len(ctxs)
         bs = self.max_batch_size or n
@@ -242,7 +243,7 @@ class HFEngine:
                         self._cache_weights_key = key
                     share_prefixes(self._fwd, self.prefix_cache, ctxs, charges, self.max_batch_size)
                 for chunk in chunks:
-                    own = None if rows is None else [rows[i] for i in chunk]
+                    own = None if seeds is None else [int(seeds[i]) for i in chunk]
                     gens = self._generate_batch([ctxs[i] for i in chunk], params, generator, reuse, own)
                     for i, g in zip(chunk, gens, strict=True):
                         g.prefill_tokens += charges[i]
@@ -277,9 +278,10 @@ class HFEngine:
         params: SamplingParams,
         generator: torch.Generator | None,
         reuse: bool,
-        row_generators: list[torch.Generator] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
-        """Prefill + decode loop for one batch of contexts (``row_generators``: one per context)."""
+        """Prefill + decode loop for one batch of contexts (``seeds``: one per context, each row
+        sampled at its own uniforms, :func:`~treegrpo.rollout.hf_decode.row_uniforms`)."""
         device = self.device
         b = len(contexts)
         # The last context token is always run: its logits give the first sampled token.
@@ -310,8 +312,10 @@ class HFEngine:
         window = 4 * max((len(s) for s in stop_strings), default=0) + 4  # tokens decoded per check
 
         rows = torch.arange(b, device=device)  # batch row -> original index in this chunk
+        uniforms = None if seeds is None else row_uniforms(seeds, max_new).to(device)
         for t in range(max_new):
-            tok = sample(logits, params.temperature, params.top_p, generator, row_generators)
+            own = None if uniforms is None else uniforms[rows, t]  # each row's t-th draw
+            tok = sample(logits, params.temperature, params.top_p, generator, own)
             scaled = logits if params.temperature in (0.0, 1.0) else logits / params.temperature
             logp_all = torch.log_softmax(scaled, dim=-1)  # the distribution drawn from (before top-p)
             out_tokens[rows, t] = tok
@@ -346,8 +350,6 @@ class HFEngine:
                 if keep.numel() == 0:
                     break
                 rows, tok, next_pos, mask = rows[keep], tok[keep], next_pos[keep], mask[keep]
-                if row_generators is not None:
-                    row_generators = [row_generators[i] for i in keep.tolist()]
                 cache.batch_select_indices(keep)
 
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
