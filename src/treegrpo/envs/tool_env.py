@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from treegrpo.envs.base import StepOutcome, Task
-from treegrpo.envs.reward_fns import Message, RewardSet
+from treegrpo.envs.reward_fns import Message, RewardSet, given_prompt
 from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, tool_method_names
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.toolcall import (
@@ -209,7 +209,28 @@ class ToolEnv:
         return self._class is not None and callable(getattr(self._class, "get_reward", None))
 
     def prompt(self, task: Task) -> str:
-        question = task.question.strip() + self._reset_observation(task)
+        """The prompt as one text (a model without a chat template): the question with a tool
+        class's reset text, in the tag protocol inside ``prompt_template``; a row's own prompt
+        messages (:meth:`prompt_messages`) joined by blank lines."""
+        if given_prompt(task) is not None:
+            return "\n\n".join(str(m.get("content") or "") for m in self.prompt_messages(task))
+        return self._prompt_text(task.question, task)
+
+    def prompt_messages(self, task: Task) -> list[Message]:
+        """The prompt as chat messages, for the chat template: a row's ``prompt`` messages as given
+        (:func:`~treegrpo.envs.reward_fns.given_prompt`: system message, earlier turns, context),
+        the last user message's content standing for the question — followed by a tool class's
+        reset text and, in the tag protocol, set inside ``prompt_template`` with the tools; else
+        the one user message :meth:`prompt`."""
+        given = given_prompt(task)
+        if given is None:
+            return [{"role": "user", "content": self.prompt(task)}]
+        last = max((i for i, m in enumerate(given) if m.get("role") == "user"), default=len(given) - 1)
+        given[last] = {**given[last], "content": self._prompt_text(str(given[last].get("content") or ""), task)}
+        return given
+
+    def _prompt_text(self, question: str, task: Task) -> str:
+        question = question.strip() + self._reset_observation(task)
         if self.protocol == "tools":
             return question
         tools = "\n".join(json.dumps(s["function"], ensure_ascii=False) for s in self.tool_schemas)

@@ -209,13 +209,16 @@ class StepRunner:
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
-        """The prompt's ids: the env's message through the chat template when there is one."""
-        text = self.env.prompt(task)
+        """The prompt's ids: with a chat template, the env's prompt messages rendered by it (its
+        ``prompt_messages(task)`` when it has that method — a dataset row's messages kept whole —
+        else ``prompt(task)`` as one user message); without one, ``prompt(task)`` as it is."""
         if self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None):
             kw = {"tools": self.chat_tools} if self.chat_tools is not None else {}
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **kw
-            )
+            as_messages = getattr(self.env, "prompt_messages", None)
+            messages = as_messages(task) if callable(as_messages) else [{"role": "user", "content": self.env.prompt(task)}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        else:
+            text = self.env.prompt(task)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def new_forest(self, task: Task, n_trees: int) -> Forest:

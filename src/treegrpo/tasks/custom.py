@@ -5,8 +5,15 @@ A run is *custom* when it names an env (``--env package.module:Class``) or tools
 are dataset rows — a JSONL file (one object per line), a Search-R1/verl parquet file, or the rows
 the Python API wrote into the run folder — read by :func:`rows_to_tasks`:
 
-- the question: ``question``, else the last user message of ``prompt`` (chat messages or a
-  string; Search-R1's "Question:" marker honoured);
+- the prompt: a ``prompt`` column of chat messages (TRL's conversational form: a system message,
+  earlier turns, context) is rendered as given, or a ``prompt`` string as one user message
+  (:meth:`~treegrpo.envs.tool_env.ToolEnv.prompt_messages` says what the protocol adds to its last
+  user message); else the ``question`` alone. Search-R1/verl rows (a ``data_source`` or
+  ``reward_model`` column) are the exception: their question is the text after the last user
+  message's last ``Question:`` (:func:`~treegrpo.tasks.datafile.extract_question`), Search-R1's
+  instruction before it dropped;
+- the question (what the viewer shows and a ``question`` reward argument holds): ``question``,
+  else the last user message of ``prompt``, whole;
 - the gold answers, when there are any: ``answers`` (a list or a string), ``answer``,
   ``golden_answers``, or Search-R1's ``reward_model.ground_truth.target``;
 - the id: ``id``, else the row number; every column is kept (``Task.meta``): reward functions get
@@ -24,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.envs.base import AgentEnv, Task
-from treegrpo.envs.reward_fns import BUILTIN_REWARDS, RewardSet
+from treegrpo.envs.reward_fns import BUILTIN_REWARDS, SEARCH_R1_COLUMNS, RewardSet
 from treegrpo.envs.tool_env import ToolEnv
 from treegrpo.errors import ConfigError
 from treegrpo.imports import import_object
@@ -88,8 +95,14 @@ def rows_to_tasks(rows: Iterable[Mapping[str, Any]], source: str) -> list[Task]:
         where = f"{source}: row {i}"
         if not isinstance(row, Mapping):
             raise DataError(f"{where}: a row must be a mapping of column -> value, got {type(row).__name__}")
+        search_r1 = any(c in row for c in SEARCH_R1_COLUMNS)
+        whole = row.get("prompt") is not None and not search_r1
+        if whole:
+            last_user = _prompt_messages(row["prompt"], where)
         if isinstance(row.get("question"), str) and row["question"].strip():
             question = row["question"].strip()
+        elif whole:
+            question = last_user
         elif row.get("prompt") is not None:
             question = extract_question(row["prompt"], where)
         else:
@@ -102,6 +115,28 @@ def rows_to_tasks(rows: Iterable[Mapping[str, Any]], source: str) -> list[Task]:
     if not tasks:
         raise DataError(f"{source}: holds no rows")
     return tasks
+
+
+def _prompt_messages(prompt: Any, where: str) -> str:
+    """Check a ``prompt`` kept whole — a non-empty string, or chat messages with string ``role`` and
+    ``content`` whose last is a user message — and return its last user message's content.
+
+    Raises:
+        DataError: one line naming the row and what the prompt must be.
+    """
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: field 'prompt' is empty")
+        return prompt.strip()
+    form = "a list of chat messages {'role', 'content'} ending with a user message, or a string"
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise DataError(f"{where}: field 'prompt' must be {form}")
+    for m in prompt:
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: field 'prompt' must be {form}; got {str(m)[:60]}")
+    if prompt[-1]["role"] != "user" or not prompt[-1]["content"].strip():
+        raise DataError(f"{where}: field 'prompt' must be {form} (its last message is the question)")
+    return prompt[-1]["content"].strip()
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
