@@ -118,6 +118,12 @@ class RewardLog:
         return out
 
 
+def reward_set_of(env: Any) -> RewardSet | None:
+    """The reward functions ``env`` scores with (a :class:`RewardSet` in its ``rewards``), or ``None``."""
+    rewards = getattr(env, "rewards", None)
+    return rewards if isinstance(rewards, RewardSet) else None
+
+
 def final_text(completion: Any) -> str:
     """The final answer text of a completion (the last message's ``content``; a string as it is)."""
     if isinstance(completion, str):
@@ -215,6 +221,16 @@ class RewardSet:
         if len(weights) != len(specs):
             raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward functions")
         return cls(names, [f for _, f in resolved], [float(w) for w in weights])
+
+    def advance(self, global_step: int, epoch: float, max_steps: int | None = None) -> None:
+        """Set what the functions' ``trainer_state`` says (the trainer calls it before each step's rollout)."""
+        self.state.global_step, self.state.epoch = int(global_step), float(epoch)
+        if max_steps is not None:
+            self.state.max_steps = int(max_steps)
+
+    def wants(self, arg: str) -> bool:
+        """Whether some function may read the argument ``arg`` (it names it, or takes ``**kwargs``)."""
+        return any(accepted is None or arg in accepted for accepted in map(_accepts, self.funcs))
 
     @property
     def binary(self) -> bool:
@@ -361,6 +377,7 @@ __all__ = [
     "given_prompt",
     "resolve_reward",
     "reward_ref",
+    "reward_set_of",
     "reward_value",
     "substring_match",
     "token_f1",

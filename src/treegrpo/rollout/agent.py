@@ -277,7 +277,7 @@ class StepRunner:
         context budget) in a leaf with no tokens: finish reason ``length``, the env's reward for
         an unanswered trajectory, counted in ``budget.context_overflows``. Nothing is generated."""
         budget.context_overflows += 1
-        reward, info = self.end_reward(tree, parent_id, task, "")
+        reward, info = self.end_reward(tree, parent_id, task, "", ids=[])
         return tree.add(
             Node(
                 id=tree.next_id(),
@@ -291,16 +291,26 @@ class StepRunner:
             )
         )
 
-    def end_reward(self, tree: Tree, parent_id: int, task: Task, text: str, state: Any = None) -> tuple[float, dict[str, Any]]:
-        """The reward (and node info) of a trajectory the loop ends itself after ``text`` (turn,
-        context or EOS without an action): the env's ``score_outcome`` when it has one (it sees the
-        trajectory's messages so far), else its ``score``."""
+    def end_reward(
+        self, tree: Tree, parent_id: int, task: Task, text: str, state: Any = None, ids: Sequence[int] = ()
+    ) -> tuple[float, dict[str, Any]]:
+        """The reward (and node info) of a trajectory the loop ends itself after ``text`` (its
+        generated ``ids``; turn, context or EOS without an action): the env's ``score_outcome`` when
+        it has one (it sees the trajectory's messages so far, and its ids when it
+        ``needs_completion_ids``), else its ``score``."""
         fn = getattr(self.env, "score_outcome", None)
         if fn is None:
             return float(self.env.score(task, text)), {}
-        kwargs = {"state": state} if state is not None else {}
+        kwargs: dict[str, Any] = {"state": state} if state is not None else {}
+        if getattr(self.env, "needs_completion_ids", False):
+            kwargs["completion_ids"] = self.path_ids(tree, parent_id) + list(ids)
         reward, info = fn(task, text, self.messages(tree, parent_id), **kwargs)
         return float(reward), dict(info)
+
+    @staticmethod
+    def path_ids(tree: Tree, node_id: int) -> list[int]:
+        """The ids of the path root → ``node_id`` after the prompt: generated and observation ids."""
+        return [t for n in tree.path(node_id)[1:] for t in n.tokens]
 
     @staticmethod
     def messages(tree: Tree, node_id: int) -> list[dict[str, Any]]:
@@ -368,6 +378,8 @@ class StepRunner:
                 kwargs["messages"] = [self.messages(c.tree, c.parent_id) for c in active]
             if keeper is not None:
                 kwargs["states"] = [c.state for c in active]
+            if getattr(self.env, "needs_completion_ids", False):  # a reward function reads the ids
+                kwargs["completion_ids"] = [self.path_ids(c.tree, c.parent_id) + list(g.tokens) for c, g in zip(active, gens, strict=True)]
             outcomes = check_outcomes(self.env, self.env.step([c.task for c in active], texts, allowed, **kwargs), len(active))
             still: list[Cursor] = []
             for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
@@ -381,7 +393,7 @@ class StepRunner:
                     room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
                     ended = room > self.cfg.max_context_tokens  # no room for another step: end here
                 if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room
-                    reward, more = self.end_reward(c.tree, c.parent_id, c.task, text, c.state)
+                    reward, more = self.end_reward(c.tree, c.parent_id, c.task, text, c.state, g.tokens)
                     done, obs_ids, obs_text = True, [], None
                     info = {k: v for k, v in info.items() if k != "messages"} | more
                 node = Node(

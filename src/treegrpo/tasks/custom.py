@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.envs.base import AgentEnv, Task
+from treegrpo.envs.reward_check import check_rewards
 from treegrpo.envs.reward_fns import BUILTIN_REWARDS, SEARCH_R1_COLUMNS, RewardSet
 from treegrpo.envs.tool_env import ToolEnv
 from treegrpo.errors import ConfigError
@@ -38,7 +39,7 @@ from treegrpo.imports import import_object
 from treegrpo.io import jsonl_objects
 from treegrpo.models.loader import LoadedModel
 from treegrpo.tasks.base import TaskFamily, TaskSource
-from treegrpo.tasks.datafile import BUILTIN_QUESTION_SETS, DataError, extract_question
+from treegrpo.tasks.datafile import BUILTIN_QUESTION_SETS, DataError, extract_question, split_tasks
 from treegrpo.training.config import TrainConfig
 
 _ANSWER_FIELDS = ("answers", "answer", "golden_answers")
@@ -216,12 +217,75 @@ def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None) 
         tools,
         factory,
         RewardSet.of(rewards, cfg.reward_weights),
-        protocol=cfg.protocol,
+        protocol=tool_protocol(cfg.protocol, tokenizer),
         prompt_template=template,
         timeout_s=cfg.tool_timeout_s,
         tokenizer=tokenizer,
         max_result_tokens=cfg.max_obs_tokens,
     )
+
+
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "treegrpo_probe_tool", "description": "A probe.", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s chat template renders tools: a probe tool's name is in the prompt it
+    renders with ``tools=[probe]`` (False without a template, or when rendering fails)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return False
+    messages = [{"role": "user", "content": "Hi."}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    return isinstance(text, str) and PROBE_TOOL["function"]["name"] in text
+
+
+def tool_protocol(protocol: str, tokenizer: Any) -> str:
+    """The protocol a run of your tools speaks: ``tags`` or ``tools`` as set; ``auto`` is ``tools``
+    for a model whose chat template renders tools (:func:`renders_tools`), else ``tags``."""
+    if protocol != "auto":
+        return protocol
+    return "tools" if renders_tools(tokenizer) else "tags"
+
+
+def protocol_of(env: AgentEnv) -> str:
+    """The protocol ``env`` speaks, as ``config.json`` records it: a :class:`ToolEnv`'s own; another
+    env's ``tools`` when its turns end at the end-of-turn token, else ``tags``."""
+    protocol = getattr(env, "protocol", None)
+    if protocol in ("tags", "tools"):
+        return protocol
+    return "tools" if getattr(env, "turns_end_at_eos", False) else "tags"
+
+
+def check_rewards_early(cfg: TrainConfig, user: UserObjects | None = None) -> None:
+    """Before the model loads, the reward functions of a run of your tools, or of the search task
+    scored by your functions, tried on its rows (:func:`~treegrpo.envs.reward_check.check_rewards`:
+    the columns they name, a trial call on a few rows). Nothing for your own env (it scores itself)
+    or a run without rows; a bad setting or file is left to the run's own line.
+
+    Raises:
+        ConfigError: one line naming the function, the row and the fix.
+    """
+    user = user or UserObjects()
+    if user.env is not None or cfg.env or not cfg.data:
+        return
+    specs = list(user.rewards) or list(cfg.reward)
+    factory = user.environment_factory
+    if is_custom(cfg, user):
+        train, held_out = split_rows(cfg)
+        if factory is None:
+            classes = [o for o in (import_object(r, "--tools") for r in cfg.tools) if inspect.isclass(o)]
+            factory = classes[0] if len(classes) == 1 else None
+    elif all(isinstance(s, str) and s in BUILTIN_REWARDS for s in specs):
+        return  # the search task's own scoring: nothing of yours to try
+    else:
+        train, held_out = split_tasks(cfg)
+    rewards = RewardSet.of(specs, cfg.reward_weights)
+    check_rewards(rewards, train, held_out[: cfg.eval_prompts], factory, cfg.steps)
 
 
 def check_answers_for(env: AgentEnv, tasks: Sequence[Task]) -> None:
@@ -255,4 +319,16 @@ def source(cfg: TrainConfig, model: LoadedModel, user: UserObjects | None = None
 
 CUSTOM = TaskFamily("custom", starting_model, source)
 
-__all__ = ["CUSTOM", "UserObjects", "is_custom", "read_rows", "rows_to_tasks", "split_rows", "user_env"]
+__all__ = [
+    "CUSTOM",
+    "UserObjects",
+    "check_rewards_early",
+    "is_custom",
+    "protocol_of",
+    "read_rows",
+    "renders_tools",
+    "rows_to_tasks",
+    "split_rows",
+    "tool_protocol",
+    "user_env",
+]
