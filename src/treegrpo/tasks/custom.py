@@ -280,8 +280,8 @@ def check_rewards_early(cfg: TrainConfig, user: UserObjects | None = None) -> No
         if factory is None:
             classes = [o for o in (import_object(r, "--tools") for r in cfg.tools) if inspect.isclass(o)]
             factory = classes[0] if len(classes) == 1 else None
-    elif all(isinstance(s, str) and s in BUILTIN_REWARDS for s in specs):
-        return  # the search task's own scoring: nothing of yours to try
+    elif all(isinstance(s, str) and ":" not in s for s in specs):
+        return  # the search task's own scoring (em, sub_em, f1, format): nothing of yours to try
     else:
         train, held_out = split_tasks(cfg)
     rewards = RewardSet.of(specs, cfg.reward_weights)
