@@ -61,3 +61,19 @@ def test_an_env_without_a_protocol_is_recorded_by_how_its_turns_end() -> None:
         turns_end_at_eos = True
 
     assert protocol_of(Native()) == "tools"  # type: ignore[arg-type]
+
+
+def test_auto_follows_what_a_warmup_folder_was_taught(smollm2: Any, tmp_path: Path) -> None:
+    """A folder warmed up in the tag protocol keeps it under auto, whatever its template renders
+    (else a tags-taught Qwen would be trained in its native protocol)."""
+    from treegrpo.tasks.custom import taught_protocol
+    from treegrpo.training.warmup import WARMUP_RECORD
+
+    assert taught_protocol(tmp_path) is None and taught_protocol(None) is None
+    (tmp_path / WARMUP_RECORD).write_text('{"agent": {}, "protocol": "tags"}')
+    assert taught_protocol(tmp_path) == "tags"
+    qwen = templated(smollm2, "qwen2.5")
+    assert tool_protocol("auto", qwen, taught_protocol(tmp_path)) == "tags"
+    assert tool_protocol("tools", qwen, "tags") == "tools"  # a set value wins
+    (tmp_path / WARMUP_RECORD).write_text('{"agent": {}}')  # a record from before protocols were recorded
+    assert taught_protocol(tmp_path) is None and tool_protocol("auto", qwen, None) == "tools"

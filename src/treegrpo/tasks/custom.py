@@ -25,6 +25,7 @@ Held out: ``--eval-data``, else the last slice of the rows (as for ``--data``).
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from treegrpo.models.loader import LoadedModel
 from treegrpo.tasks.base import TaskFamily, TaskSource
 from treegrpo.tasks.datafile import BUILTIN_QUESTION_SETS, DataError, extract_question, split_tasks
 from treegrpo.training.config import TrainConfig
+from treegrpo.training.warmup import WARMUP_RECORD
 
 _ANSWER_FIELDS = ("answers", "answer", "golden_answers")
 
@@ -188,9 +190,10 @@ def make_env_object(obj: Any, ref: str) -> AgentEnv:
         raise ConfigError(f"--env {ref}: cannot be made without arguments ({e}); name a factory that takes none") from None
 
 
-def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None) -> AgentEnv:
+def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None, taught: str | None = None) -> AgentEnv:
     """The run's env: the user's own (``--env`` / ``env=``), or a :class:`ToolEnv` of their tools and
-    rewards (the ``tools`` protocol renders through ``tokenizer``)."""
+    rewards (the ``tools`` protocol renders through ``tokenizer``; ``taught``: the protocol a
+    warm-up folder was taught, :func:`tool_protocol`)."""
     user = user or UserObjects()
     env = user.env
     if env is None and cfg.env:
@@ -217,7 +220,7 @@ def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None) 
         tools,
         factory,
         RewardSet.of(rewards, cfg.reward_weights),
-        protocol=tool_protocol(cfg.protocol, tokenizer),
+        protocol=tool_protocol(cfg.protocol, tokenizer, taught),
         prompt_template=template,
         timeout_s=cfg.tool_timeout_s,
         tokenizer=tokenizer,
@@ -244,12 +247,28 @@ def renders_tools(tokenizer: Any) -> bool:
     return isinstance(text, str) and PROBE_TOOL["function"]["name"] in text
 
 
-def tool_protocol(protocol: str, tokenizer: Any) -> str:
-    """The protocol a run of your tools speaks: ``tags`` or ``tools`` as set; ``auto`` is ``tools``
-    for a model whose chat template renders tools (:func:`renders_tools`), else ``tags``."""
+def tool_protocol(protocol: str, tokenizer: Any, taught: str | None = None) -> str:
+    """The protocol a run of your tools speaks: ``tags`` or ``tools`` as set; ``auto`` is the one
+    a ``treegrpo warmup`` folder was ``taught`` (its record says), else ``tools`` for a model whose
+    chat template renders tools (:func:`renders_tools`), else ``tags``."""
     if protocol != "auto":
         return protocol
+    if taught in ("tags", "tools"):
+        return taught
     return "tools" if renders_tools(tokenizer) else "tags"
+
+
+def taught_protocol(folder: Path | None) -> str | None:
+    """The protocol a ``treegrpo warmup`` folder's record says it was taught (``None``: not one, or
+    written before warm-ups recorded it)."""
+    record = Path(folder) / WARMUP_RECORD if folder is not None else None
+    if record is None or not record.is_file():
+        return None
+    try:
+        protocol = json.loads(record.read_text()).get("protocol")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return protocol if protocol in ("tags", "tools") else None
 
 
 def protocol_of(env: AgentEnv) -> str:
@@ -309,7 +328,7 @@ def starting_model(cfg: TrainConfig) -> Path:
 def source(cfg: TrainConfig, model: LoadedModel, user: UserObjects | None = None, need_data: bool = True) -> TaskSource:
     """The user's env (:func:`user_env`) and rows (:func:`split_rows`); without ``need_data`` and
     without ``--data``, no training rows (and ``--eval-data``'s, if any, held out)."""
-    env = user_env(cfg, user, model.tokenizer)
+    env = user_env(cfg, user, model.tokenizer, taught_protocol(model.folder))
     if not need_data and not cfg.data:
         return TaskSource(env, [], load_rows_as_tasks(cfg.eval_data) if cfg.eval_data else [])
     train_tasks, eval_tasks = split_rows(cfg)
@@ -329,6 +348,7 @@ __all__ = [
     "renders_tools",
     "rows_to_tasks",
     "split_rows",
+    "taught_protocol",
     "tool_protocol",
     "user_env",
 ]

@@ -84,7 +84,7 @@ class TrainConfig(BaseModel):
     )
     protocol: Literal["auto", "tags", "tools"] = Field(
         "auto",
-        description="How the model calls tools: tags (the library's <tool_call>{json}</tool_call> text protocol, any model) | tools (the model's own chat template, tool-call syntax and tool role, docs/tools.md). auto = tools for your --tools on a model whose chat template renders tools, else tags (the search task keeps Search-R1's tags unless tools is set). Resolved when the model is loaded and recorded in config.json.",
+        description="How the model calls tools: tags (the library's <tool_call>{json}</tool_call> text protocol, any model) | tools (the model's own chat template, tool-call syntax and tool role, docs/tools.md). auto = for your --tools, the protocol a treegrpo warmup folder was taught, else tools on a model whose chat template renders tools, else tags (the search task keeps Search-R1's tags unless tools is set). Resolved when the model is loaded and recorded in config.json.",
     )
     chat_template: str | None = Field(
         None,
