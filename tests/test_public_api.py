@@ -148,6 +148,7 @@ def test_trl_reward_arguments_and_names_in_a_run(tiny_model_dir: Path, tmp_path:
         lengths.extend(len(c) for c in completion_ids)
         log_metric("my/mean_ids", sum(len(c) for c in completion_ids) / len(completion_ids))
         log_extra("my/answers", list(answer))
+        log_metric("reward/mean", 99.0)  # a name the trainer logs: the trainer's value stays
         return reward(completions, answer)
 
     out = tmp_path / "trl"
@@ -156,7 +157,7 @@ def test_trl_reward_arguments_and_names_in_a_run(tiny_model_dir: Path, tmp_path:
     assert s.steps == 1 and s.trajectories == 4
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert "eval/my/mean_ids" in metrics[0] and "my/mean_ids" in metrics[1] and "eval/my/mean_ids" in metrics[1]
-    assert set(metrics[1]["my/answers"]) <= {r["answer"] for r in ROWS}
+    assert set(metrics[1]["my/answers"]) <= {r["answer"] for r in ROWS} and metrics[1]["reward/mean"] <= 1.0
     assert set(states) == {(0, 0.0, 1), (1, 0.2, 1)} and max(lengths) > 0  # eval after the step: 1 step, 2 of 10 prompts
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["protocol"] == "tags"  # auto: the tiny model has no chat template

@@ -304,12 +304,14 @@ def check_rewards_early(cfg: TrainConfig, user: UserObjects | None = None) -> No
     else:
         train, held_out = split_tasks(cfg)
     rewards = RewardSet.of(specs, cfg.reward_weights)
+    check_answers_for(rewards, train)
     check_rewards(rewards, train, held_out[: cfg.eval_prompts], factory, cfg.steps)
 
 
-def check_answers_for(env: AgentEnv, tasks: Sequence[Task]) -> None:
-    """A built-in answer reward with rows that carry no answers would score every trajectory 0."""
-    rewards = getattr(env, "rewards", None)
+def check_answers_for(env: AgentEnv | RewardSet, tasks: Sequence[Task]) -> None:
+    """A built-in answer reward (of ``env``, or a :class:`RewardSet`) with rows that carry no
+    answers would score every trajectory 0."""
+    rewards = env if isinstance(env, RewardSet) else getattr(env, "rewards", None)
     builtin = [n for n in getattr(rewards, "names", []) if n in BUILTIN_REWARDS]
     if builtin and not any(t.answers for t in tasks):
         raise ConfigError(

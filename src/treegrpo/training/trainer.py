@@ -204,7 +204,7 @@ def train(
         )
         run.last_eval = run.eval_start
         run.em_curve.append([0, headline(run.eval_start), 0])
-        logger.log(0, {**run.eval_start, **(rewards.log.drain("eval/") if rewards else {})})
+        logger.log(0, {**(rewards.log.drain("eval/") if rewards else {}), **run.eval_start})
         console.print(f"step {0:4d} · held-out {label} {fmt_eval(run.eval_start)}")
 
     # -- the loop --------------------------------------------------------------------------------
@@ -252,8 +252,8 @@ def train(
             )
             metrics.update(rollout_metrics(everything, n_traj))
             metrics["rollout/prompt_ids"] = [t.id for t in tasks]  # what this step trained on (every rank's)
-            if rewards is not None:  # the reward functions' log_metric / log_extra of this step's rollouts
-                metrics.update(rewards.log.drain())
+            if rewards is not None:  # the reward functions' log_metric / log_extra (a trainer's name keeps its value)
+                metrics = {**rewards.log.drain(), **metrics}
             if estimator in GIGPO_ESTIMATORS:  # GiGPO's own diagnostic: steps that have anchor-state peers
                 anchors = shared_anchor_stats(everything.forests, adv_cfg)
                 metrics.update({"gigpo/shared_anchor_frac": anchors["shared_frac"], "gigpo/anchor_group_size": anchors["group_size"]})
@@ -271,7 +271,7 @@ def train(
                 run.last_eval = par.on_main(lambda g=greedy: evaluate(runner, parts.eval_tasks, cfg.eval_sampled, g))
                 metrics.update(run.last_eval)
                 if rewards is not None:
-                    metrics.update(rewards.log.drain("eval/"))
+                    metrics = {**rewards.log.drain("eval/"), **metrics}
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval), run.totals["tool_calls"]])
             monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
             metrics.update(monitored)
