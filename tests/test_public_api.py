@@ -100,6 +100,68 @@ def test_bad_input_is_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert "no question" in run(train_data=[{"q": "x"}] * 3, tools=[add])
     assert "no row has one" in run(train_data=[{"question": "x"}] * 3, tools=[add])  # em without answers
     assert "need a model" in treegrpo_error(lambda: treegrpo.train(train_data=ROWS, tools=[add], out_dir=str(tmp_path / "m"), **FAST))
+    assert "tools=Tally is a class: pass it as environment_factory=Tally" in run(train_data=ROWS, tools=Tally)
+    assert "tools=Tally is a class" in run(train_data=ROWS, tools=[add, Tally])
+    assert "give train_data= or train_dataset=" in run(train_data=ROWS, train_dataset=ROWS, tools=[add])
+    assert "give eval_data= or eval_dataset=" in run(train_data=ROWS, eval_data=ROWS, eval_dataset=ROWS, tools=[add])
+
+
+def too_few(completions, **kwargs) -> list[float]:
+    return [1.0]  # one value: right only when completions are scored one at a time
+
+
+def test_a_bad_reward_or_a_missing_column_fails_before_the_model_loads(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42: a reward returning too few values once passed the held-out evaluation (1.000) and
+    failed at the first training step; a row without a column a reward names failed when drawn.
+    Both now fail before the model loads, in one line naming the function and the row."""
+    import treegrpo.training.setup as setup
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the reward functions were checked")
+
+    monkeypatch.setattr(setup, "load_pretrained", no_load)
+    msg = treegrpo_error(lambda: treegrpo.train(str(tiny_model_dir), train_data=ROWS, tools=[add], reward_funcs=[too_few],
+                                                out_dir=str(tmp_path / "few"), **FAST))  # fmt: skip
+    assert "reward function too_few returned 1 values for 3 completions" in msg and "\n" not in msg
+
+    def by_level(completions, level) -> list[float]:
+        return [float(lv) for lv in level]
+
+    rows = [{**r, "level": 1} for r in ROWS]
+    del rows[7]["level"]
+    msg = treegrpo_error(lambda: treegrpo.train(str(tiny_model_dir), train_data=rows, tools=[add], reward_funcs=[by_level],
+                                                out_dir=str(tmp_path / "col"), **FAST))  # fmt: skip
+    assert msg.startswith("reward function by_level needs the column 'level', which training row 8 (id q7) lacks")
+
+
+def test_trl_reward_arguments_and_names_in_a_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """TRL's names (train_dataset=, eval_dataset=, tools=fn) and reward arguments (completion_ids,
+    trainer_state, log_metric, log_extra): what a reward logs lands in metrics.jsonl (held-out
+    calls under eval/), and config.json records protocol auto as the one that ran."""
+    states: list[tuple[int, float, int]] = []
+    lengths: list[int] = []
+
+    def trl_reward(completions, answer, completion_ids, trainer_state, log_metric, log_extra, **kwargs) -> list[float]:
+        states.append((trainer_state.global_step, trainer_state.epoch, trainer_state.max_steps))
+        lengths.extend(len(c) for c in completion_ids)
+        log_metric("my/mean_ids", sum(len(c) for c in completion_ids) / len(completion_ids))
+        log_extra("my/answers", list(answer))
+        log_metric("reward/mean", 99.0)  # a name the trainer logs: the trainer's value stays
+        return reward(completions, answer)
+
+    out = tmp_path / "trl"
+    s = treegrpo.train(str(tiny_model_dir), train_dataset=ROWS, eval_dataset=ROWS[:3], tools=add, reward_funcs=trl_reward,
+                       sampler="chain", group_size=2, out_dir=str(out), **FAST)  # fmt: skip
+    assert s.steps == 1 and s.trajectories == 4
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/my/mean_ids" in metrics[0] and "my/mean_ids" in metrics[1] and "eval/my/mean_ids" in metrics[1]
+    assert set(metrics[1]["my/answers"]) <= {r["answer"] for r in ROWS} and metrics[1]["reward/mean"] <= 1.0
+    assert set(states) == {(0, 0.0, 1), (1, 0.2, 1)} and max(lengths) > 0  # eval after the step: 1 step, 2 of 10 prompts
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["protocol"] == "tags"  # auto: the tiny model has no chat template
+    assert cfg["tools"] == [f"{__name__}:add"] and cfg["eval_data"] == str(out / "data" / "eval.jsonl")
 
 
 def treegrpo_error(fn) -> str:

@@ -11,6 +11,7 @@ run folder says exactly what it was trained on and ``--resume`` finds them.
 
 from __future__ import annotations
 
+import inspect
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -70,8 +71,32 @@ def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str) -> str | No
     return str(path)
 
 
+def _tools(tools: Sequence[Callable[..., Any]] | Callable[..., Any] | None) -> list[Callable[..., Any]]:
+    """``tools=`` as a list of functions: one function is wrapped in a list; a class is refused
+    (it is a tool class: ``environment_factory=``)."""
+    if tools is None:
+        return []
+    listed = [tools] if callable(tools) else list(tools)
+    for t in listed:
+        if inspect.isclass(t):
+            raise ConfigError(
+                f"tools={t.__name__} is a class: pass it as environment_factory={t.__name__} (its public methods are the "
+                "tools, one instance per trajectory); tools= takes functions"
+            )
+        if not callable(t):
+            raise ConfigError(f"tools=: {t!r} is not a function; give a function or a list of functions")
+    return listed
+
+
+def _dataset(data: Rows | None, dataset: Rows | None, arg: str, trl_arg: str) -> Rows | None:
+    """``train_data``/``eval_data``, or TRL's name for it (``train_dataset``/``eval_dataset``)."""
+    if data is not None and dataset is not None:
+        raise ConfigError(f"give {arg}= or {trl_arg}= (TRL's name for it), not both")
+    return data if data is not None else dataset
+
+
 def _objects(
-    tools: Sequence[Callable[..., Any]] | None,
+    tools: Sequence[Callable[..., Any]] | Callable[..., Any] | None,
     environment_factory: Callable[[], Any] | None,
     env: AgentEnv | None,
     reward_funcs: RewardSpec | Sequence[RewardSpec] | None,
@@ -83,7 +108,7 @@ def _objects(
         rewards = [reward_funcs]
     else:
         rewards = list(reward_funcs)
-    user = UserObjects(env=env, tools=list(tools or ()), environment_factory=environment_factory, rewards=rewards)
+    user = UserObjects(env=env, tools=_tools(tools), environment_factory=environment_factory, rewards=rewards)
     fields: dict[str, Any] = {}
     refs = [object_ref(t) for t in user.tools] + ([object_ref(environment_factory)] if environment_factory else [])
     if refs:
@@ -129,11 +154,13 @@ def train(
     *,
     train_data: Rows | None = None,
     eval_data: Rows | None = None,
-    tools: Sequence[Callable[..., Any]] | None = None,
+    tools: Sequence[Callable[..., Any]] | Callable[..., Any] | None = None,
     environment_factory: Callable[[], Any] | None = None,
     env: AgentEnv | None = None,
     reward_funcs: RewardSpec | Sequence[RewardSpec] | None = None,
     reward_weights: Sequence[float] | None = None,
+    train_dataset: Rows | None = None,
+    eval_dataset: Rows | None = None,
     tokenizer: Any = None,
     config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
     console: Console | None = None,
@@ -149,12 +176,14 @@ def train(
             a built-in set); rows hold ``question`` (or ``prompt``), optionally ``answers``/``answer``
             and any other columns (reward functions get them by name).
         eval_data: held-out questions (same forms); default: the last slice of ``train_data``.
-        tools: tool functions (type hints + an ``Args:`` docstring each).
+        tools: tool functions (type hints + an ``Args:`` docstring each); one function alone is
+            taken as a list of one (a class goes in ``environment_factory``).
         environment_factory: a tool class: its public methods are tools, one instance per trajectory.
         env: an env object of your own instead of tools (docs/tools.md).
         reward_funcs: reward functions (TRL's convention) or built-in names (``em``, ``sub_em``,
             ``f1``); default ``em``.
         reward_weights: their weights (default 1 each).
+        train_dataset / eval_dataset: TRL's names for ``train_data`` / ``eval_data`` (give one of each pair).
         config: a :class:`TrainConfig`, a dict of its fields or a YAML file; ``overrides`` (any
             TrainConfig field: ``sampler``, ``advantage``, ``m``, ``n``, ``l``, ``steps``,
             ``protocol``, ``out_dir`` …) go on top.
@@ -166,7 +195,9 @@ def train(
     user, objects = _objects(tools, environment_factory, env, reward_funcs)
     if reward_weights is not None:
         overrides["reward_weights"] = list(reward_weights)
-    cfg, loaded = _config(model, tokenizer, train_data, eval_data, objects, config, overrides)
+    train_rows = _dataset(train_data, train_dataset, "train_data", "train_dataset")
+    eval_rows = _dataset(eval_data, eval_dataset, "eval_data", "eval_dataset")
+    cfg, loaded = _config(model, tokenizer, train_rows, eval_rows, objects, config, overrides)
     return run_training(cfg, console, user=user, loaded=loaded)
 
 
@@ -175,7 +206,7 @@ def warmup(
     *,
     demos: Rows,
     out: str | Path,
-    tools: Sequence[Callable[..., Any]] | None = None,
+    tools: Sequence[Callable[..., Any]] | Callable[..., Any] | None = None,
     environment_factory: Callable[[], Any] | None = None,
     env: AgentEnv | None = None,
     reward_funcs: RewardSpec | Sequence[RewardSpec] | None = None,

@@ -187,7 +187,7 @@ def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainCon
             common["obs_format"] = obs
         common.update(
             data=str(work / "job" / "single_turn_train.jsonl"), eval_data=str(work / "job" / "single_turn_eval.jsonl"),
-            prompt_template="{question}", max_turns=0,
+            prompt_template="{question}", max_turns=0, protocol="tags",  # as recorded before protocol auto
         )  # fmt: skip
     else:
         common.update(data=spec.data, eval_data=spec.eval_data, max_turns=spec.max_turns, protocol="tools")

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from treegrpo.envs.base import StepOutcome, Task
-from treegrpo.envs.reward_fns import Message, RewardSet
+from treegrpo.envs.reward_fns import Message, RewardSet, given_prompt
 from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, tool_method_names
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.toolcall import (
@@ -209,7 +209,28 @@ class ToolEnv:
         return self._class is not None and callable(getattr(self._class, "get_reward", None))
 
     def prompt(self, task: Task) -> str:
-        question = task.question.strip() + self._reset_observation(task)
+        """The prompt as one text (a model without a chat template): the question with a tool
+        class's reset text, in the tag protocol inside ``prompt_template``; a row's own prompt
+        messages (:meth:`prompt_messages`) joined by blank lines."""
+        if given_prompt(task) is not None:
+            return "\n\n".join(str(m.get("content") or "") for m in self.prompt_messages(task))
+        return self._prompt_text(task.question, task)
+
+    def prompt_messages(self, task: Task) -> list[Message]:
+        """The prompt as chat messages, for the chat template: a row's ``prompt`` messages as given
+        (:func:`~treegrpo.envs.reward_fns.given_prompt`: system message, earlier turns, context),
+        the last user message's content standing for the question — followed by a tool class's
+        reset text and, in the tag protocol, set inside ``prompt_template`` with the tools; else
+        the one user message :meth:`prompt`."""
+        given = given_prompt(task)
+        if given is None:
+            return [{"role": "user", "content": self.prompt(task)}]
+        last = max((i for i, m in enumerate(given) if m.get("role") == "user"), default=len(given) - 1)
+        given[last] = {**given[last], "content": self._prompt_text(str(given[last].get("content") or ""), task)}
+        return given
+
+    def _prompt_text(self, question: str, task: Task) -> str:
+        question = question.strip() + self._reset_observation(task)
         if self.protocol == "tools":
             return question
         tools = "\n".join(json.dumps(s["function"], ensure_ascii=False) for s in self.tool_schemas)
@@ -220,12 +241,17 @@ class ToolEnv:
         return self.score_outcome(task, step, [])[0]
 
     def score_outcome(
-        self, task: Task, step: str, messages: Sequence[Message], state: Any = None
+        self, task: Task, step: str, messages: Sequence[Message], state: Any = None, completion_ids: Sequence[int] | None = None
     ) -> tuple[float, dict[str, Any]]:
         """The reward (and per-function values, as node info) of a trajectory the agent loop ends
         itself (turn or context limit) after ``step``: the reward functions see it as it stands."""
-        [(reward, info)] = self._rewards([task], [[*messages, *self._step_messages(step)]], [state])
+        [(reward, info)] = self._rewards([task], [[*messages, *self._step_messages(step)]], [state], [completion_ids])
         return reward, info
+
+    @property
+    def needs_completion_ids(self) -> bool:
+        """A reward function reads ``completion_ids``: the loop passes each trajectory's ids to :meth:`step`."""
+        return self.rewards.wants("completion_ids")  # type: ignore[union-attr]
 
     def demo_steps(self, calls: Sequence[tuple[str, Any]] = (), answer: str | None = None, thought: str = "") -> list[str]:
         """The text of one demonstrated turn in this env's protocol: its tool ``calls`` or its final
@@ -252,13 +278,15 @@ class ToolEnv:
         search_allowed: Sequence[bool],
         messages: Sequence[Sequence[Message]] | None = None,
         states: Sequence[Any] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[StepOutcome]:
         """One step per trajectory (see the module docstring); the answers of the batch are scored
-        together by the reward functions."""
+        together by the reward functions (``completion_ids``: each trajectory's ids after the prompt,
+        this step's generated ids last, for the reward functions)."""
         if self._class is not None and states is None:  # a single-turn caller: each step on a fresh instance
             fresh = [self.initial_state(t) for t in tasks]
             try:
-                return self.step(tasks, steps, search_allowed, messages, fresh)
+                return self.step(tasks, steps, search_allowed, messages, fresh, completion_ids)
             finally:
                 for inst in fresh:
                     self._close(inst)
@@ -291,7 +319,8 @@ class ToolEnv:
             history = [list(messages[i]) if messages is not None else [] for i in ending]
             completions = [h + out[i].info["messages"] for h, i in zip(history, ending, strict=True)]  # type: ignore[union-attr]
             st = [states[i] if states is not None else None for i in ending]
-            for i, (reward, info) in zip(ending, self._rewards([tasks[i] for i in ending], completions, st), strict=True):
+            ids = [completion_ids[i] if completion_ids is not None else None for i in ending]
+            for i, (reward, info) in zip(ending, self._rewards([tasks[i] for i in ending], completions, st, ids), strict=True):
                 out[i].reward = reward  # type: ignore[union-attr]
                 out[i].info.update(info)  # type: ignore[union-attr]
         return [o for o in out if o is not None]
@@ -441,10 +470,15 @@ class ToolEnv:
         return [{"role": "assistant", "content": text}]
 
     def _rewards(
-        self, tasks: Sequence[Task], completions: Sequence[Sequence[Message]], states: Sequence[Any]
+        self,
+        tasks: Sequence[Task],
+        completions: Sequence[Sequence[Message]],
+        states: Sequence[Any],
+        completion_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> list[tuple[float, dict[str, Any]]]:
         prompts = [[{"role": "user", "content": self.prompt(t)}] for t in tasks]
-        scored = self.rewards.score(tasks, prompts, completions)  # type: ignore[union-attr]
+        environments = states if self._class is not None else None
+        scored = self.rewards.score(tasks, prompts, completions, completion_ids, environments)  # type: ignore[union-attr]
         out = []
         for (total, values), state in zip(scored, states, strict=True):
             if self._has_env_reward and state is not None:

@@ -274,13 +274,16 @@ class StepRunner:
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
-        """The prompt's ids: the env's message through the chat template when there is one."""
-        text = self.env.prompt(task)
+        """The prompt's ids: with a chat template, the env's prompt messages rendered by it (its
+        ``prompt_messages(task)`` when it has that method — a dataset row's messages kept whole —
+        else ``prompt(task)`` as one user message); without one, ``prompt(task)`` as it is."""
         if self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None):
             kw = {"tools": self.chat_tools} if self.chat_tools is not None else {}
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **kw
-            )
+            as_messages = getattr(self.env, "prompt_messages", None)
+            messages = as_messages(task) if callable(as_messages) else [{"role": "user", "content": self.env.prompt(task)}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        else:
+            text = self.env.prompt(task)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def new_forest(self, task: Task, n_trees: int) -> Forest:
@@ -339,7 +342,7 @@ class StepRunner:
         context budget) in a leaf with no tokens: finish reason ``length``, the env's reward for
         an unanswered trajectory, counted in ``budget.context_overflows``. Nothing is generated."""
         budget.context_overflows += 1
-        reward, info = self.end_reward(tree, parent_id, task, "")
+        reward, info = self.end_reward(tree, parent_id, task, "", ids=[])
         return tree.add(
             Node(
                 id=tree.next_id(),
@@ -353,16 +356,26 @@ class StepRunner:
             )
         )
 
-    def end_reward(self, tree: Tree, parent_id: int, task: Task, text: str, state: Any = None) -> tuple[float, dict[str, Any]]:
-        """The reward (and node info) of a trajectory the loop ends itself after ``text`` (turn,
-        context or EOS without an action): the env's ``score_outcome`` when it has one (it sees the
-        trajectory's messages so far), else its ``score``."""
+    def end_reward(
+        self, tree: Tree, parent_id: int, task: Task, text: str, state: Any = None, ids: Sequence[int] = ()
+    ) -> tuple[float, dict[str, Any]]:
+        """The reward (and node info) of a trajectory the loop ends itself after ``text`` (its
+        generated ``ids``; turn, context or EOS without an action): the env's ``score_outcome`` when
+        it has one (it sees the trajectory's messages so far, and its ids when it
+        ``needs_completion_ids``), else its ``score``."""
         fn = getattr(self.env, "score_outcome", None)
         if fn is None:
             return float(self.env.score(task, text)), {}
-        kwargs = {"state": state} if state is not None else {}
+        kwargs: dict[str, Any] = {"state": state} if state is not None else {}
+        if getattr(self.env, "needs_completion_ids", False):
+            kwargs["completion_ids"] = self.path_ids(tree, parent_id) + list(ids)
         reward, info = fn(task, text, self.messages(tree, parent_id), **kwargs)
         return float(reward), dict(info)
+
+    @staticmethod
+    def path_ids(tree: Tree, node_id: int) -> list[int]:
+        """The ids of the path root → ``node_id`` after the prompt: generated and observation ids."""
+        return [t for n in tree.path(node_id)[1:] for t in n.tokens]
 
     @staticmethod
     def messages(tree: Tree, node_id: int) -> list[dict[str, Any]]:

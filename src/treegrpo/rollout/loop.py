@@ -109,9 +109,10 @@ class Loop:
         decode = self.runner.tokenizer.decode
         return gens, [decode(g.tokens, skip_special_tokens=False) for g in gens]
 
-    def step_args(self, batch: Sequence[Cursor]) -> tuple[list[bool], dict[str, Any]]:
-        """The env step's ``search_allowed`` for ``batch`` and its optional keyword arguments:
-        earlier steps (``needs_history``), messages (``needs_messages``), states (a stateful env)."""
+    def step_args(self, batch: Sequence[Cursor], gens: Sequence[Generation]) -> tuple[list[bool], dict[str, Any]]:
+        """The env step's ``search_allowed`` for ``batch`` (whose steps are ``gens``) and its optional
+        keyword arguments: earlier steps (``needs_history``), messages (``needs_messages``), states (a
+        stateful env), each path's ids after the prompt with the new step's (``needs_completion_ids``)."""
         runner, env = self.runner, self.runner.env
         allowed = [c.turn < runner.cfg.max_turns for c in batch]
         kwargs: dict[str, Any] = {}
@@ -121,6 +122,10 @@ class Loop:
             kwargs["messages"] = [runner.messages(c.tree, c.parent_id) for c in batch]
         if self.keeper is not None:
             kwargs["states"] = [c.state for c in batch]
+        if getattr(env, "needs_completion_ids", False):  # a reward function reads the ids
+            kwargs["completion_ids"] = [
+                runner.path_ids(c.tree, c.parent_id) + list(g.tokens) for c, g in zip(batch, gens, strict=True)
+            ]
         return allowed, kwargs
 
     def finish_step(self, c: Cursor, g: Generation, text: str, out: StepOutcome) -> list[Cursor]:
@@ -140,7 +145,7 @@ class Loop:
             room = len(c.context) + len(g.tokens) + len(obs_ids) + cfg.max_step_tokens
             ended = room > cfg.max_context_tokens  # no room for another step: end here
         if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room
-            reward, more = runner.end_reward(c.tree, c.parent_id, c.task, text, c.state)
+            reward, more = runner.end_reward(c.tree, c.parent_id, c.task, text, c.state, g.tokens)
             done, obs_ids, obs_text = True, [], None
             info = {k: v for k, v in info.items() if k != "messages"} | more
         node = Node(
@@ -193,7 +198,7 @@ class Loop:
                 break
             gens, texts = self.generate(active)
             calls += 1
-            allowed, kwargs = self.step_args(active)
+            allowed, kwargs = self.step_args(active, gens)
             t0 = time.perf_counter()
             outcomes = check_outcomes(env, env.step([c.task for c in active], texts, allowed, **kwargs), len(active))
             waited = time.perf_counter() - t0

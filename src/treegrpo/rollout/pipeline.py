@@ -127,7 +127,7 @@ def run_pipelined(loop: Loop, cursors: Sequence[Cursor]) -> int:
             gens, texts = loop.generate(batch)
             engine_wall = time.perf_counter() - t0
             calls += 1
-            allowed, kwargs = loop.step_args(batch)
+            allowed, kwargs = loop.step_args(batch, gens)
             bid = calls
             flights[bid] = _Flight(batch, gens, texts)
             if in_flight == 0:

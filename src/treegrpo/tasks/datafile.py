@@ -10,7 +10,10 @@ Parquet (the schema Search-R1's ``scripts/data_process/*.py`` writes and verl re
     extra_info    {"split": str, "index": int}
 
 The question is taken from the last user message: the text after its last ``Question:`` marker,
-or the whole message when there is none (a prompt that is just the question). A top-level
+or the whole message when there is none (a prompt that is just the question). This rule is for
+Search-R1's data only — here and for rows with a ``data_source`` or ``reward_model`` column in a
+run of your own tools (:mod:`treegrpo.tasks.custom`); any other ``prompt`` of chat messages is
+rendered whole. A top-level
 ``question`` column (Search-R1 keeps the source dataset's columns) is used when there is no
 ``prompt``. The task id is ``{data_source}-{extra_info.index}`` (row number without an index).
 
@@ -153,6 +156,7 @@ def _parquet_tasks(p: Path) -> Iterable[Task]:
                 meta[key] = row[key]
         if row.get("prompt") is not None:
             meta["prompt"] = row["prompt"]
+        meta["reward_model"] = rm  # Search-R1's form: its question is extracted (reward_fns.given_prompt)
         yield Task(tid, question, answers, data_source=source, meta=meta)
 
 

@@ -82,9 +82,9 @@ class TrainConfig(BaseModel):
         default_factory=list,
         description="Your own tools: package.module:function, comma-separated (type hints and an Args: docstring each), or one package.module:Class whose public methods are tools and whose instance is a trajectory's state (docs/tools.md).",
     )
-    protocol: Literal["tags", "tools"] = Field(
-        "tags",
-        description="How the model calls tools: tags (the library's <tool_call>{json}</tool_call> text protocol, any model) | tools (the model's own chat template, tool-call syntax and tool role, docs/tools.md).",
+    protocol: Literal["auto", "tags", "tools"] = Field(
+        "auto",
+        description="How the model calls tools: tags (the library's <tool_call>{json}</tool_call> text protocol, any model) | tools (the model's own chat template, tool-call syntax and tool role, docs/tools.md). auto = for your --tools, the protocol a treegrpo warmup folder was taught, else tools on a model whose chat template renders tools, else tags (the search task keeps Search-R1's tags unless tools is set). Resolved when the model is loaded and recorded in config.json.",
     )
     chat_template: str | None = Field(
         None,
@@ -418,6 +418,14 @@ class TrainConfig(BaseModel):
         if self.sampler == "eptree":
             return self.m * (1 + self.n * self.l * self.t)
         return self.group_size if self.sampler == "chain" else self.m * (1 + self.n * self.l)
+
+
+def with_protocol(cfg: TrainConfig, protocol: str) -> TrainConfig:
+    """``cfg`` with ``protocol: auto`` replaced by the ``protocol`` the run speaks, as a set field
+    (so ``config.json`` and a resume carry it); ``cfg`` itself when nothing changes."""
+    if cfg.protocol != "auto":
+        return cfg
+    return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), "protocol": protocol})
 
 
 def field_names() -> list[str]:

@@ -35,6 +35,7 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] 
     ``gradient_checkpointing``   off                 on
     ``max_step_tokens``          48                  128
     ``max_context_tokens``       3072                4096
+    ``protocol``                 tags                (decided by the env: :func:`~treegrpo.tasks.custom.tool_protocol`)
     ===========================  ==================  ==========================================
 
     The agent limits are the ones the run uses when given (``limits``: the agent settings the
@@ -48,6 +49,8 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] 
         update["logprob_chunk_tokens"] = 0 if tiny else REAL_CHUNK_TOKENS
     if cfg.gradient_checkpointing == "auto":
         update["gradient_checkpointing"] = not tiny
+    if cfg.protocol == "auto" and tiny:  # a tiny agent speaks the tags (it has no chat template)
+        update["protocol"] = "tags"
     kind = TINY_LIMITS if tiny else REAL_LIMITS
     for k in AUTO_LIMITS:
         if getattr(cfg, k) == "auto":

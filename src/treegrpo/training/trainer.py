@@ -19,13 +19,14 @@ from rich.console import Console
 from treegrpo.algos.advantages import AdvantageConfig, get_advantage_estimator, score_forest, token_advantages
 from treegrpo.algos.gigpo import shared_anchor_stats
 from treegrpo.algos.losses import LossConfig
+from treegrpo.envs.reward_fns import RewardSet, reward_set_of
 from treegrpo.errors import ConfigError
 from treegrpo.io import atomic_write_json
 from treegrpo.models.loader import MARKER_FILE, LoadedModel
 from treegrpo.rollout.agent import RolloutResult, StepRunner
 from treegrpo.rollout.engine import engine_stats, make_engine
 from treegrpo.rollout.samplers import SamplerConfig, get_sampler
-from treegrpo.tasks.custom import UserObjects
+from treegrpo.tasks.custom import UserObjects, check_rewards_early, protocol_of
 from treegrpo.training.checkpoint import (
     CHECKPOINT_DIR,
     Checkpoint,
@@ -35,7 +36,7 @@ from treegrpo.training.checkpoint import (
     resume_config,
     resumed_run,
 )
-from treegrpo.training.config import TrainConfig
+from treegrpo.training.config import TrainConfig, with_protocol
 from treegrpo.training.defaults import AUTO_LIMITS, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.training.distributed import Parallel, QuietLogger, shard
 from treegrpo.training.evaluate import evaluate, headline
@@ -149,7 +150,11 @@ def train(
     return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see training/memory.py
 
     # -- the pieces ------------------------------------------------------------------------------
+    if parts is None:  # before the model loads: your reward functions tried on a few of your rows
+        check_rewards_early(cfg, user)
     parts = parts or par.main_first(lambda: build_run(cfg, user=user, loaded=loaded))  # rank 0 bootstraps
+    cfg = with_protocol(cfg, protocol_of(parts.env))  # protocol auto: the one the env speaks
+    rewards = reward_set_of(parts.env)  # reward functions' trainer_state, log_metric/log_extra (None: none)
     limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
     cfg = recorded_agent_fields(cfg, parts.agent_cfg)  # config.json says what runs
@@ -179,6 +184,7 @@ def train(
             console.print(f"resume: {k} changed from {old!r} to {new!r} (--resume-override)")
         console.print(f"[bold]resumed[/] from {resume_from.folder} at step {run.step}")
     par.own_streams(run, cfg.seed)  # rank r > 0: its own tree picks and sampling
+    reward_clock(rewards, run.step, cfg, len(parts.train_tasks))
     wall_before = run.wall_s  # earlier sessions of this run
     logger = (
         QuietLogger()
@@ -199,7 +205,7 @@ def train(
         )
         run.last_eval = run.eval_start
         run.em_curve.append([0, headline(run.eval_start), 0])
-        logger.log(0, run.eval_start)
+        logger.log(0, {**(rewards.log.drain("eval/") if rewards else {}), **run.eval_start})
         console.print(f"step {0:4d} · held-out {label} {fmt_eval(run.eval_start)}")
 
     # -- the loop --------------------------------------------------------------------------------
@@ -218,6 +224,7 @@ def train(
         for step in range(run.step + 1, cfg.steps + 1):
             # 1. rollout: one batch of prompts (the same on every rank; each grows its share)
             tasks = run.draw_prompts(parts.train_tasks, cfg.prompts_per_step)
+            reward_clock(rewards, step - 1, cfg, len(parts.train_tasks))  # the rollout's trainer_state
             t0, c0 = time.perf_counter(), time.process_time()
             engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
@@ -250,6 +257,8 @@ def train(
             if tools is not None or runner.cfg.rollout_pipeline:  # tools with latency: where the time went
                 metrics.update(tool_metrics(loop_stats, tools, everything.forests))
             metrics["rollout/prompt_ids"] = [t.id for t in tasks]  # what this step trained on (every rank's)
+            if rewards is not None:  # the reward functions' log_metric / log_extra (a trainer's name keeps its value)
+                metrics = {**rewards.log.drain(), **metrics}
             if estimator in GIGPO_ESTIMATORS:  # GiGPO's own diagnostic: steps that have anchor-state peers
                 anchors = shared_anchor_stats(everything.forests, adv_cfg)
                 metrics.update({"gigpo/shared_anchor_frac": anchors["shared_frac"], "gigpo/anchor_group_size": anchors["group_size"]})
@@ -263,8 +272,11 @@ def train(
             if due := eval_due(cfg, step, tokens_before, run.totals["generated_tokens"]):
                 policy.rollout_module()  # FSDP2: the engine's full copy refreshed from the shards
                 greedy = due == "full"  # a token checkpoint alone: the sampled half only (when measured)
+                reward_clock(rewards, step, cfg, len(parts.train_tasks))
                 run.last_eval = par.on_main(lambda g=greedy: evaluate(runner, parts.eval_tasks, cfg.eval_sampled, g))
                 metrics.update(run.last_eval)
+                if rewards is not None:
+                    metrics = {**rewards.log.drain("eval/"), **metrics}
                 run.em_curve.append([run.totals["generated_tokens"], headline(run.last_eval), run.totals["tool_calls"]])
             monitored, alerts = check_step(logger.rows, metrics, step=step)  # collapse monitors
             metrics.update(monitored)
@@ -303,6 +315,13 @@ def _tool_counters(runner: StepRunner, env: Any) -> Any:
     if stats is not None:
         stats.take()
     return stats
+
+
+def reward_clock(rewards: RewardSet | None, done: int, cfg: TrainConfig, n_train: int) -> None:
+    """Set the reward functions' ``trainer_state``: ``done`` optimizer steps, ``done *
+    prompts_per_step / n_train`` epochs, ``cfg.steps`` in all (nothing without reward functions)."""
+    if rewards is not None:
+        rewards.advance(done, done * cfg.prompts_per_step / max(1, n_train), cfg.steps)
 
 
 def eval_due(cfg: TrainConfig, step: int, tokens_before: int, tokens_after: int) -> str | None:

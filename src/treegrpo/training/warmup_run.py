@@ -31,7 +31,7 @@ from treegrpo.models.loader import LoadedModel
 from treegrpo.progress import progress_bars
 from treegrpo.rollout.agent import StepRunner
 from treegrpo.rollout.engine import make_engine
-from treegrpo.tasks.custom import UserObjects, is_custom
+from treegrpo.tasks.custom import UserObjects, is_custom, protocol_of
 from treegrpo.tasks.datafile import search_demos
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.demo_file import read_demos
@@ -162,6 +162,7 @@ def run_warmup(
         "eval_before": before,
         "eval_after": after,
         "agent": asdict(parts.agent_cfg),
+        "protocol": protocol_of(env),  # what protocol: auto resolves to when this folder is trained
         "wall_s": time.perf_counter() - t0,
     }
 
