@@ -18,6 +18,7 @@ held to what training is):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -103,7 +104,8 @@ def trial_call(
         for inst in instances or ():
             close = getattr(inst, "close", None)
             if callable(close):
-                aio.resolve(close())
+                with contextlib.suppress(Exception):  # a trial instance: its close() is the run's business
+                    aio.resolve(close())
 
 
 def _instance(factory: Callable[[], Any], task: Task) -> Any:
