@@ -6,6 +6,7 @@ started from the wrong state, or saw a sibling's calls, is caught; a replay that
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from typing import Any
@@ -112,6 +113,9 @@ def test_each_branch_sees_only_its_own_paths_calls(mode: str) -> None:
         replayed = res.total().replayed_tool_calls
         assert (replayed > 0) if mode == "replay" else (replayed == 0)  # restored or forked, never replayed
     assert branched_inside > 0  # some branch started mid-trajectory, from a state a tool call had changed
+    assert OPEN[0] == len(TASKS)  # each live forest keeps its world (a tree can still branch from its root)
+    del res, trees, tree
+    gc.collect()
     assert OPEN[0] == 0, f"{OPEN[0]} instances never closed"
 
 
