@@ -307,11 +307,11 @@ class ToolEnv:
         ready = [j for j in jobs if j.lost is not None]
         for j in ready:
             self._runner._fill_lost(j)
-        stream = self._runner.run([j for j in jobs if j.lost is None])
-        ending = [i for i, o in now.items() if o.done]
-        self._score(ending, now, tasks, messages, states)
+        batch = self._runner.start([j for j in jobs if j.lane is None and j.lost is None])
+        self._score([i for i, o in now.items() if o.done], now, tasks, messages, states)  # get_reward: on lanes
+        self._runner.start([j for j in jobs if j.lane is not None and j.lost is None], batch)  # then their calls
         yield from sorted(now.items())
-        for job in [*ready, *stream]:
+        for job in [*ready, *self._runner.wait(batch)]:
             out = finish[job.index](job)
             out.info["tool_latency_s"] = [round(x, 6) for x in job.latency_s]
             if job.lost is not None:  # the trajectory's instance is lost: it ends here

@@ -185,6 +185,15 @@ class Job:
 
 
 @dataclass
+class Batch:
+    """Jobs started together (:meth:`ToolRunner.start`): how many are not yet yielded, and the
+    queue their finished jobs arrive on."""
+
+    left: int = 0
+    done: queue.SimpleQueue[Job] = field(default_factory=queue.SimpleQueue)
+
+
+@dataclass
 class _Running:
     job: Job
     name: str
@@ -370,13 +379,14 @@ class ToolRunner:
 
     # -- the batch --------------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job]) -> Iterator[Job]:
-        """Run ``jobs`` at once; yield each as its last call finishes (any order).
+        """Run ``jobs`` at once; yield each as its last call finishes (any order). The jobs start
+        before the first item is asked for (:meth:`start`, then :meth:`wait`)."""
+        return self.wait(self.start(jobs))
 
-        Raises:
-            ConfigError: a tool raised ``KeyboardInterrupt``, or more than ``max_abandoned``
-                abandoned threads are still alive (one line naming the tool).
-        """
-        done: queue.SimpleQueue[Job] = queue.SimpleQueue()
+    def start(self, jobs: Sequence[Job], batch: Batch | None = None) -> Batch:
+        """Start ``jobs`` (added to ``batch`` when given); :meth:`wait` yields them as they finish."""
+        batch = batch if batch is not None else Batch()
+        batch.left += len(jobs)
         pooled = [j for j in jobs if j.lane is None]
         with self._lock:
             self._workers = {t for t in self._workers if t.is_alive() and t not in self._retired}
@@ -384,18 +394,26 @@ class ToolRunner:
                 self._spawn()
         for j in jobs:
             if j.lane is None:
-                self._pool.put((j, 0, done))
+                self._pool.put((j, 0, batch.done))
             else:
                 fut = j.lane.submit(lambda j=j: self._run_job(j, 0))
-                fut.add_done_callback(lambda f, j=j: self._lane_done(f, j, done))
-        left = len(jobs)
-        while left:
+                fut.add_done_callback(lambda f, j=j: self._lane_done(f, j, batch.done))
+        return batch
+
+    def wait(self, batch: Batch) -> Iterator[Job]:
+        """``batch``'s jobs as each finishes; calls past their time-out are abandoned meanwhile.
+
+        Raises:
+            ConfigError: a tool raised ``KeyboardInterrupt``, or more than ``max_abandoned``
+                abandoned threads are still alive (one line naming the tool).
+        """
+        while batch.left:
             try:
-                job = done.get(timeout=self._wait())
+                job = batch.done.get(timeout=self._wait())
             except queue.Empty:
-                self._abandon_overdue(done)
+                self._abandon_overdue(batch.done)
                 continue
-            left -= 1
+            batch.left -= 1
             if job.fatal:
                 raise ConfigError(job.fatal)
             yield job
@@ -464,6 +482,6 @@ class ToolRunner:
 
 
 __all__ = [
-    "GRACE_S", "Job", "Lane", "StateLost", "ToolAbandoned", "ToolResult", "ToolRunner", "ToolStats", "cut_result", "failure",
+    "GRACE_S", "Batch", "Job", "Lane", "StateLost", "ToolAbandoned", "ToolResult", "ToolRunner", "ToolStats", "cut_result", "failure",
     "refused", "result_text", "timed_out",
 ]  # fmt: skip

@@ -21,6 +21,7 @@ counts 0.0.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,11 +144,23 @@ class ClassTools:
         return world if world is not None else self.open_world(task)
 
     def close_world(self, world: ToolState) -> None:
+        """Close ``world`` on its lane without waiting (its forest is gone; a failure is one line
+        on stderr: nothing waits to be told)."""
         with self._lock:
             for k, w in list(self._current.items()):
                 if w is world:
                     del self._current[k]
-        self.close(world)
+
+        def close() -> None:
+            try:
+                self.close(world)
+            except ConfigError as e:
+                print(f"treegrpo: {e}", file=sys.stderr)
+
+        if world.lane is None or world.why_lost() is not None:
+            self._release(world.lane)
+        else:
+            world.lane.submit(close)
 
     def world_state(self, world: ToolState, task: Task) -> ToolState:
         """A live state equal to ``world``'s (module docstring).
