@@ -183,3 +183,15 @@ def test_async_tools_are_awaited_concurrently_and_time_out() -> None:
     assert all(o.observation == tool_response("slept 0.2") for o in out) and time.perf_counter() - t0 < 0.9
     (late,) = env.step([TASK], [call("await_wait", seconds=5.0)], [True])
     assert late.info["tool_error"] == "await_wait timed out after 0.5 s"
+
+
+def test_tool_concurrency_reaches_the_env_from_the_config() -> None:
+    """``tool_concurrency`` (TrainConfig) is the env's bound; 0 is refused in one line."""
+    from treegrpo.tasks.custom import UserObjects, user_env
+    from treegrpo.training.config import TrainConfig
+
+    env = user_env(TrainConfig(tool_concurrency=3), UserObjects(tools=[wait]))
+    assert isinstance(env, ToolEnv) and env._runner.concurrency == 3
+    assert user_env(TrainConfig(), UserObjects(tools=[wait]))._runner.concurrency == 32  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="tool_concurrency=0: give 1"):
+        ToolEnv([wait], tool_concurrency=0)

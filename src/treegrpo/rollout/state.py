@@ -64,7 +64,7 @@ def bind_world(env: Any, world: Any, trees: Sequence[Tree]) -> None:
 
     for tree in trees:
         _WORLDS[id(tree)] = world
-        weakref.finalize(tree, drop, id(tree))
+        weakref.finalize(tree, drop, id(tree)).atexit = False  # nothing to close at interpreter exit
 
 
 def root_state(env: Any, tree: Tree, task: Task) -> Any:
