@@ -280,3 +280,33 @@ def test_a_sync_and_an_async_function_tool_grow_the_same_forest() -> None:
     envs = [ToolEnv([fn], rewards=["em"]) for fn in (add, add_async)]
     sync, asy = ([signature(t) for f in grow(env, TASKS, policy, (2, 2, 1), 2, 4).forests for t in f.trees] for env in envs)
     assert sync == asy and any("W" in str(s[3]) for tree in sync for s in tree)
+
+
+def test_sync_and_async_tool_classes_give_the_same_forest_with_the_tiny_model(tiny_model_dir: Any) -> None:
+    """Through the real agent loop and HF engine (the tiny model, a fixed seed): the async class's
+    prompt carries its awaited reset text and its leaves the awaited get_reward, so both forests are
+    the same, token for token (an async reset once put "<coroutine object …>" in the prompt, an async
+    get_reward raised TypeError)."""
+    import torch
+
+    from treegrpo.models.loader import load_model, load_tokenizer
+    from treegrpo.rollout.agent import AgentConfig, StepRunner
+    from treegrpo.rollout.hf_engine import HFEngine
+    from treegrpo.rollout.sampling import SamplerConfig
+    from treegrpo.rollout.trees import sample_trees
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_model(tiny_model_dir)
+    cfg = AgentConfig(max_turns=2, max_step_tokens=12, max_context_tokens=400, use_chat_template=False)
+    forests = {}
+    for cls in (SyncWords, AsyncWords):
+        runner = StepRunner(HFEngine(model, tok), ToolEnv(environment_factory=cls, rewards=["em"], prompt_template="minimal"), tok, cfg)
+        res = sample_trees(runner, TASKS[:2], SamplerConfig("tree", m=2, n=1, l=1), random.Random(0), torch.Generator().manual_seed(0))
+        forests[cls] = [
+            [(nd.tokens, nd.reward, {k.removeprefix("Sync").removeprefix("Async"): v for k, v in nd.extra.get("rewards", {}).items()})
+             for nd in t.nodes] for f in res.forests for t in f.trees
+        ]  # fmt: skip
+        assert res.forests[0].trees[0].root.text == "Question: Collect words 0\nstart s0\n"
+    assert forests[SyncWords] == forests[AsyncWords]
+    leaves = [r for tree in forests[AsyncWords] for _, reward, r in tree if reward is not None]
+    assert leaves and all(r["Words"] >= 1.0 for r in leaves)  # get_reward: the words so far, awaited
