@@ -137,7 +137,7 @@ def test_a_tool_class_is_a_trajectorys_state() -> None:
     env = ToolEnv(environment_factory=Notes, rewards=["em"])
     assert state_mode(env) == "replay"  # neither fork nor snapshot: branches replay their path
     a, b = env.initial_state(TASK), env.initial_state(TASK)
-    assert a.lines == ["n0"]  # reset(**row) got the row
+    assert a.obj.lines == ["n0"]  # reset(**row) got the row (a handle: the instance and the thread it lives on)
     write = '<tool_call>{"name": "write", "arguments": {"text": "hello"}}</tool_call>'
     (o1,) = env.step([TASK], [write], [True], states=[a])
     (o2,) = env.step([TASK], ['<tool_call>{"name": "read", "arguments": {}}</tool_call>'], [True], states=[b])

@@ -132,3 +132,51 @@ def test_function_tools_refuse_a_class_and_repeated_names() -> None:
         function_tools([Counter])
     with pytest.raises(ConfigError, match="two tools are named add"):
         function_tools([add, add])
+
+
+def pick(n: int, limit: int | None = None) -> str:
+    """Echo the arguments and their types.
+
+    Args:
+        n: a whole number
+        limit: an optional whole number
+    """
+    return f"{n!r} {limit!r}"
+
+
+def test_arguments_follow_transformers_schema_conventions() -> None:
+    """``Optional[int] = None`` accepts null (``nullable``); a whole-number float is an integer,
+    passed as an int; other floats are refused (both were refused: 3.0 for an integer, null)."""
+    t = Tool.of(pick)
+    assert t.schema["function"]["parameters"]["properties"]["limit"]["nullable"] is True
+    assert t.call({"n": 3.0, "limit": None}).content == "3 None"
+    assert t.call({"n": 2, "limit": 4.0}).content == "2 4"
+    assert t.call({"n": 3.5}).error == "argument n of pick must be integer, got 3.5"
+    assert t.call({"n": None}).error == "argument n of pick must be integer, got null"
+
+
+def huge(n: int) -> str:
+    """A result of n megabytes.
+
+    Args:
+        n: megabytes
+    """
+    return "x" * (n << 20)
+
+
+def test_a_huge_result_is_cut_by_characters_in_both_protocols() -> None:
+    """A 5 MB result is cut to ``max_result_chars`` (marked) before anything reads it — in the tag
+    protocol it was kept whole (20 MB of rollouts for one step)."""
+    import json
+
+    from treegrpo.envs.base import Task
+    from treegrpo.envs.tool_env import ToolEnv
+
+    env = ToolEnv([huge], max_result_tokens=100)
+    call = "<tool_call>" + json.dumps({"name": "huge", "arguments": {"n": 5}}) + "</tool_call>"
+    (out,) = env.step([Task("q", "q", ["x"])], [call], [True])
+    content = out.info["messages"][-1]["content"]
+    assert content == "x" * 800 + " …" and len(out.observation) < 900  # 8 characters a token
+    assert ToolEnv([huge], max_result_chars=10).step([Task("q", "q", ["x"])], [call], [True])[0].info["messages"][-1][
+        "content"
+    ] == "x" * 10 + " …"

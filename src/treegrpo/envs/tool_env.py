@@ -27,28 +27,33 @@ parser, Hermes/Qwen ``<tool_call>`` JSON, Llama 3.1 JSON) and run in order; the 
 each cut to ``max_result_tokens``. A turn without a call is the final answer (its content); a turn
 cut off before its end-of-turn token ends the trajectory.
 
-A step that reached the tools records its ``messages`` (the assistant turn with its
-``tool_calls``, then one ``role: "tool"`` result per call) and ``tool_calls_ran``, the calls that
-ran (an unknown tool or arguments that do not fit its schema never run; a tool that raised or
-timed out did), in its node's ``extra``: the viewer labels and counts tool calls from them.
+A batch's calls run at once, each trajectory's in order (:mod:`treegrpo.envs.tool_runner`); a
+result is cut to ``max_result_chars`` first. A step that reached the tools records in its node's
+``extra`` its ``messages`` (the assistant turn with its ``tool_calls``, then one ``role: "tool"``
+result per call), ``tool_calls_ran`` (an unknown tool or arguments that do not fit its schema never
+run; a tool that raised or timed out did) and ``tool_latency_s`` (seconds per call, 0.0 for one
+refused); the viewer labels and counts tool calls from them.
 
-A tool class makes the env stateful: one instance per trajectory (:meth:`ToolEnv.initial_state`,
-``reset(**row)`` called on it), branched by its ``fork()`` or ``snapshot()``/``restore()`` when it
-has them, else by replaying the path's steps (:mod:`treegrpo.envs.state`); a ``get_reward()``
-method is one more reward, named after the class (TRL's convention).
+A tool class makes the env stateful: one instance per trajectory, a copy of its forest's world
+(reset once; the prompt shows its reset text), branched by its ``fork()`` or
+``snapshot()``/``restore()`` when it has them, else by replaying the path's steps
+(:mod:`treegrpo.envs.tool_state`, :mod:`treegrpo.envs.state`); a ``get_reward()`` method is one more
+reward, named after the class (TRL's convention).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.envs.reward_fns import Message, RewardSet, given_prompt
-from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, tool_method_names
+from treegrpo.envs.tool_runner import Job, ToolRunner
+from treegrpo.envs.tool_state import ClassTools, ToolState, class_mode, probe_class
+from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, refused, tool_method_names
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.toolcall import (
     ToolCall,
@@ -125,6 +130,10 @@ class ToolEnv:
         timeout_s: a tool call running longer gets a time-out error as its result (``None``: no limit).
         tokenizer: the model's tokenizer (the ``tools`` protocol renders and parses through it).
         max_result_tokens: ``tools`` protocol: a tool result longer than this many tokens is cut.
+        tool_concurrency: tool calls running at once over a batch (:mod:`treegrpo.envs.tool_runner`;
+            1: one after another).
+        max_result_chars: a tool result longer than this many characters is cut before anything
+            else reads it, in both protocols (``None``: 8 × ``max_result_tokens``).
     """
 
     tools: Sequence[Callable[..., Any]] = ()
@@ -136,6 +145,8 @@ class ToolEnv:
     timeout_s: float | None = 30.0
     tokenizer: Any = None
     max_result_tokens: int = 600
+    tool_concurrency: int = 32
+    max_result_chars: int | None = None
     needs_messages: bool = field(default=True, init=False)
     """The agent loop passes each trajectory's earlier messages to :meth:`step` (the rewards read them)."""
 
@@ -144,19 +155,20 @@ class ToolEnv:
             raise ConfigError(f"protocol {self.protocol!r}: choose tags or tools")
         self.rewards = self.rewards if isinstance(self.rewards, RewardSet) else RewardSet.of(self.rewards, self.reward_weights)
         self._tools: dict[str, Tool] = function_tools(list(self.tools))
+        chars = self.max_result_chars if self.max_result_chars is not None else 8 * self.max_result_tokens
+        self._runner = ToolRunner(self.tool_concurrency, self.timeout_s, chars)
+        self.tool_stats = self._runner.stats
+        """Cumulative tool counters (:class:`~treegrpo.envs.tool_runner.ToolStats`: ``take()``)."""
         self._class: type | None = None
+        self._states: ClassTools | None = None
         self._method_names: list[str] = []
+        self._schemas_of_class: list[dict[str, Any]] = []
         if self.environment_factory is not None:
-            probe = self.environment_factory()
-            self._class = type(probe)
+            self._class, self._schemas_of_class = probe_class(self.environment_factory, self.timeout_s)
             self._method_names = tool_method_names(self._class)
             clash = set(self._method_names) & set(self._tools)
             if clash:
                 raise ConfigError(f"tool {sorted(clash)[0]} is both a function and a method of {self._class.__name__}")
-            self._schemas_of_class = [t.schema for t in bound_tools(probe).values()]
-            self._close(probe)
-        else:
-            self._schemas_of_class = []
         if not self._tools and not self._method_names:
             raise ConfigError("no tools: pass tools=[functions] or environment_factory=a class with public tool methods")
         template = TOOL_PROMPTS.get(self.prompt_template, self.prompt_template)
@@ -165,8 +177,9 @@ class ToolEnv:
                 f"prompt_template {self.prompt_template!r} is neither tools nor minimal nor a format string with {{question}}"
             )
         self._template = template
-        self._reset_text: dict[str, str] = {}
-        self.state_mode = self._state_mode()
+        self.state_mode = class_mode(self._class)
+        if self._class is not None:
+            self._states = ClassTools(self.environment_factory, self._class, self.state_mode, self.timeout_s)  # type: ignore[arg-type]
         if self.protocol == "tools" and self.tokenizer is None:
             raise ConfigError("protocol tools renders through the model's chat template: give ToolEnv its tokenizer")
 
@@ -209,28 +222,30 @@ class ToolEnv:
         return self._class is not None and callable(getattr(self._class, "get_reward", None))
 
     def prompt(self, task: Task) -> str:
-        """The prompt as one text (a model without a chat template): the question with a tool
-        class's reset text, in the tag protocol inside ``prompt_template``; a row's own prompt
+        """The prompt as one text (a model without a chat template): the question with the reset
+        text of ``task``'s current world (the one the latest forest of ``task`` branches from:
+        :meth:`open_world`), in the tag protocol inside ``prompt_template``; a row's own prompt
         messages (:meth:`prompt_messages`) joined by blank lines."""
         if given_prompt(task) is not None:
             return "\n\n".join(str(m.get("content") or "") for m in self.prompt_messages(task))
-        return self._prompt_text(task.question, task)
+        return self._prompt_text(task.question, self._reset_text(task))
 
-    def prompt_messages(self, task: Task) -> list[Message]:
+    def prompt_messages(self, task: Task, reset_text: str | None = None) -> list[Message]:
         """The prompt as chat messages, for the chat template: a row's ``prompt`` messages as given
         (:func:`~treegrpo.envs.reward_fns.given_prompt`: system message, earlier turns, context),
-        the last user message's content standing for the question — followed by a tool class's
-        reset text and, in the tag protocol, set inside ``prompt_template`` with the tools; else
-        the one user message :meth:`prompt`."""
+        the last user message's content standing for the question — followed by the world's reset
+        text (``reset_text``, else that of ``task``'s current world) and, in the tag protocol, set
+        inside ``prompt_template`` with the tools; else the one user message :meth:`prompt`."""
+        reset = self._reset_text(task) if reset_text is None else reset_text
         given = given_prompt(task)
         if given is None:
-            return [{"role": "user", "content": self.prompt(task)}]
+            return [{"role": "user", "content": self._prompt_text(task.question, reset)}]
         last = max((i for i, m in enumerate(given) if m.get("role") == "user"), default=len(given) - 1)
-        given[last] = {**given[last], "content": self._prompt_text(str(given[last].get("content") or ""), task)}
+        given[last] = {**given[last], "content": self._prompt_text(str(given[last].get("content") or ""), reset)}
         return given
 
-    def _prompt_text(self, question: str, task: Task) -> str:
-        question = question.strip() + self._reset_observation(task)
+    def _prompt_text(self, question: str, reset_text: str) -> str:
+        question = question.strip() + reset_text
         if self.protocol == "tools":
             return question
         tools = "\n".join(json.dumps(s["function"], ensure_ascii=False) for s in self.tool_schemas)
@@ -271,81 +286,105 @@ class ToolEnv:
             head = ""
         return texts
 
-    def step(
+    def step(self, tasks: Sequence[Task], steps: Sequence[str], search_allowed: Sequence[bool],
+             messages: Sequence[Sequence[Message]] | None = None, states: Sequence[Any] | None = None,
+             completion_ids: Sequence[Sequence[int]] | None = None) -> list[StepOutcome]:  # fmt: skip
+        """:meth:`step_stream`'s outcomes, in step order."""
+        out: list[StepOutcome | None] = [None] * len(steps)
+        for i, o in self.step_stream(tasks, steps, search_allowed, messages, states, completion_ids):
+            out[i] = o
+        return out  # type: ignore[return-value]
+
+    def step_stream(
         self,
         tasks: Sequence[Task],
         steps: Sequence[str],
-        search_allowed: Sequence[bool],
+        allowed: Sequence[bool],
         messages: Sequence[Sequence[Message]] | None = None,
         states: Sequence[Any] | None = None,
         completion_ids: Sequence[Sequence[int]] | None = None,
-    ) -> list[StepOutcome]:
-        """One step per trajectory (see the module docstring); the answers of the batch are scored
-        together by the reward functions (``completion_ids``: each trajectory's ids after the prompt,
-        this step's generated ids last, for the reward functions)."""
-        if self._class is not None and states is None:  # a single-turn caller: each step on a fresh instance
+    ) -> Iterator[tuple[int, StepOutcome]]:
+        """One step per trajectory (module docstring), yielded as ``(index, outcome)`` when ready:
+        first every step that calls no tool (answers and refusals, their rewards scored together in
+        one batch), then each trajectory as its calls finish (all of the batch's calls run at once:
+        :mod:`treegrpo.envs.tool_runner`). The outcomes do not depend on timing. A tool-class call
+        that ran past its time-out ends its trajectory (its instance is lost: never called again).
+        ``completion_ids``: each trajectory's ids after the prompt, this step's generated ids last,
+        for the reward functions."""
+        if self._class is not None and states is None:  # a single-turn caller: each step on its own instance
             fresh = [self.initial_state(t) for t in tasks]
             try:
-                return self.step(tasks, steps, search_allowed, messages, fresh, completion_ids)
+                yield from self.step_stream(tasks, steps, allowed, messages, fresh, completion_ids)
             finally:
                 for inst in fresh:
-                    self._close(inst)
-        out: list[StepOutcome | None] = [None] * len(steps)
-        ending: list[int] = []
-        for i, (text, allowed) in enumerate(zip(steps, search_allowed, strict=True)):
+                    self.close_state(inst)
+            return
+        now: dict[int, StepOutcome] = {}
+        jobs: list[Job] = []
+        finish: dict[int, Callable[[Job], StepOutcome]] = {}
+        for i, (text, ok) in enumerate(zip(steps, allowed, strict=True)):
             state = states[i] if states is not None else None
-            if self.protocol == "tools":
-                out[i] = self._native_step(text, allowed, state)
-                if out[i].done:  # type: ignore[union-attr]
-                    ending.append(i)
+            plan = self._plan_native(text, ok, state) if self.protocol == "tools" else self._plan_tags(text, ok, state)
+            if isinstance(plan, StepOutcome):
+                now[i] = plan
                 continue
-            m = _ACTION.search(text)
-            kind = m.group(1) if m else None
-            if kind == "answer":
-                answer = m.group(2).strip()  # type: ignore[union-attr]
-                msgs = [{"role": "assistant", "content": answer}]
-                out[i] = StepOutcome("answer", True, info={"answer": answer, "messages": msgs})
-                ending.append(i)
-            elif not allowed:  # the final turn: a tool call is refused, anything else ends too
-                msgs = self._step_messages(text)
-                out[i] = StepOutcome("tool" if kind else "invalid", True, info={"refused": bool(kind), "messages": msgs})
-                ending.append(i)
-            elif kind == "tool_call":
-                out[i] = self._tool_step(text, m.group(2), state)  # type: ignore[union-attr]
-            else:
-                msgs = [{"role": "assistant", "content": text}, {"role": "user", "content": INVALID_TOOL_ACTION.strip()}]
-                out[i] = StepOutcome("invalid", False, observation=INVALID_TOOL_ACTION, info={"messages": msgs})
-        if ending:
-            history = [list(messages[i]) if messages is not None else [] for i in ending]
-            completions = [h + out[i].info["messages"] for h, i in zip(history, ending, strict=True)]  # type: ignore[union-attr]
-            st = [states[i] if states is not None else None for i in ending]
-            ids = [completion_ids[i] if completion_ids is not None else None for i in ending]
-            for i, (reward, info) in zip(ending, self._rewards([tasks[i] for i in ending], completions, st, ids), strict=True):
-                out[i].reward = reward  # type: ignore[union-attr]
-                out[i].info.update(info)  # type: ignore[union-attr]
-        return [o for o in out if o is not None]
+            calls, finish[i] = plan
+            lane = state.lane if isinstance(state, ToolState) else None
+            jobs.append(Job(i, calls, lane, lost=state.why_lost() if isinstance(state, ToolState) else None))
+        ready = [j for j in jobs if j.lost is not None]
+        for j in ready:
+            self._runner._fill_lost(j)
+        batch = self._runner.start([j for j in jobs if j.lane is None and j.lost is None])
+        self._score([i for i, o in now.items() if o.done], now, tasks, messages, states, completion_ids)  # get_reward: on lanes
+        self._runner.start([j for j in jobs if j.lane is not None and j.lost is None], batch)  # then their calls
+        yield from sorted(now.items())
+        for job in [*ready, *self._runner.wait(batch)]:
+            out = finish[job.index](job)
+            out.info["tool_latency_s"] = [round(x, 6) for x in job.latency_s]
+            if job.lost is not None:  # the trajectory's instance is lost: it ends here
+                out.done, out.observation, out.info["state_lost"] = True, None, job.lost
+                self._score([job.index], {job.index: out}, tasks, messages, states, completion_ids)
+            yield job.index, out
 
-    # -- state (a tool class) ------------------------------------------------------------------------
+    def _score(self, ending: Sequence[int], out: dict[int, StepOutcome], tasks: Sequence[Task],
+               messages: Sequence[Sequence[Message]] | None, states: Sequence[Any] | None,
+               completion_ids: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+        """Score the trajectories ``ending`` here together (rewards into their outcomes)."""
+        if not ending:
+            return
+        history = [list(messages[i]) if messages is not None else [] for i in ending]
+        completions = [h + out[i].info["messages"] for h, i in zip(history, ending, strict=True)]
+        st = [states[i] if states is not None else None for i in ending]
+        ids = [completion_ids[i] if completion_ids is not None else None for i in ending]
+        for i, (reward, info) in zip(ending, self._rewards([tasks[i] for i in ending], completions, st, ids), strict=True):
+            out[i].reward = reward
+            out[i].info.update(info)
+
+    # -- state (a tool class: :mod:`treegrpo.envs.tool_state`) ---------------------------------------
+    def open_world(self, task: Task) -> ToolState | None:
+        """A new instance for a new forest of ``task``, reset once: the prompt shows its reset text
+        and every trajectory of the forest starts from a copy of it (:meth:`world_state`);
+        ``None`` without a tool class."""
+        return None if self._states is None else self._states.open_world(task)
+
+    def world_state(self, world: ToolState, task: Task) -> ToolState:
+        return self._states.world_state(world, task)  # type: ignore[union-attr]
+    def close_world(self, world: ToolState) -> None:
+        self._states.close_world(world)  # type: ignore[union-attr]
+
     def initial_state(self, task: Task) -> Any:
-        inst = self.environment_factory()  # type: ignore[misc]
-        reset = getattr(inst, "reset", None)
-        if callable(reset):
-            reset(**task.meta)
-        return inst
+        """A live state for ``task``: a copy of its current world (the one :meth:`prompt` shows)."""
+        return self.world_state(self._states.current(task), task)  # type: ignore[union-attr]
 
     def close_state(self, state: Any) -> None:
-        self._close(state)
+        self._states.close(state)  # type: ignore[union-attr]
 
     def fork(self, state: Any) -> Any:
-        return state.fork()
-
+        return self._states.fork(state)  # type: ignore[union-attr]
     def snapshot(self, state: Any) -> Any:
-        return state.snapshot()
-
+        return self._states.snapshot(state)  # type: ignore[union-attr]
     def restore(self, snapshot: Any) -> Any:
-        inst = self.environment_factory()  # type: ignore[misc]
-        inst.restore(snapshot)
-        return inst
+        return self._states.restore(snapshot)  # type: ignore[union-attr]
 
     @property
     def state_key(self) -> Callable[[Any], str] | None:
@@ -354,55 +393,49 @@ class ToolEnv:
         an always-present method once called ``state_key()`` on every class and broke every tree."""
         if self._class is None or not callable(getattr(self._class, "state_key", None)):
             return None
-        return lambda state: str(state.state_key())
+        return self._states.key  # type: ignore[union-attr]
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _state_mode(self) -> str:
-        cls = self._class
-        if cls is None:
-            return "stateless"
-        if callable(getattr(cls, "fork", None)):
-            return "fork"
-        if callable(getattr(cls, "snapshot", None)) and callable(getattr(cls, "restore", None)):
-            return "snapshot"
-        return "replay"
-
-    def _close(self, inst: Any) -> None:
-        close = getattr(inst, "close", None)
-        if callable(close):
-            close()
-
-    def _reset_observation(self, task: Task) -> str:
-        """What a tool class's ``reset(**row)`` returns for ``task`` (appended to the question)."""
+    def _reset_text(self, task: Task) -> str:
+        """The reset text of ``task``'s current world ("" when the class has no ``reset``)."""
         if self._class is None or not callable(getattr(self._class, "reset", None)):
             return ""
-        if task.id not in self._reset_text:
-            inst = self.environment_factory()  # type: ignore[misc]
-            text = inst.reset(**task.meta)
-            self._close(inst)
-            self._reset_text[task.id] = "" if text is None else "\n" + str(text)
-        return self._reset_text[task.id]
+        return self._states.current(task).reset_text  # type: ignore[union-attr]
 
     def _tools_of(self, state: Any) -> dict[str, Tool]:
-        if state is None or self._class is None:
+        if not isinstance(state, ToolState) or state.obj is None:
             return self._tools
-        return {**self._tools, **bound_tools(state)}
+        return {**self._tools, **bound_tools(state.obj)}
 
-    def _tool_step(self, text: str, payload: str, state: Any) -> StepOutcome:
+    def _call(self, name: str, args: Any, tools: dict[str, Tool]) -> ToolResult | tuple[Tool, dict[str, Any]]:
+        """A call to run (the tool and its checked arguments), or its refusal."""
+        tool = tools.get(name)
+        if tool is None:
+            return refused(name, f"there is no tool {name!r} (tools: {', '.join(tools) or 'none'})")
+        checked, why = tool.prepare(args)
+        return refused(name, why) if why is not None else (tool, checked)
+
+    def _plan_tags(self, text: str, allowed: bool, state: Any) -> StepOutcome | tuple[list[Any], Callable[[Job], StepOutcome]]:
+        """A tag-protocol step: its outcome when it calls no tool, else its call and how to finish it."""
+        m = _ACTION.search(text)
+        kind = m.group(1) if m else None
+        if kind == "answer":
+            answer = m.group(2).strip()  # type: ignore[union-attr]
+            return StepOutcome("answer", True, info={"answer": answer, "messages": [{"role": "assistant", "content": answer}]})
+        if not allowed:  # the final turn: a tool call is refused, anything else ends too
+            msgs = self._step_messages(text)
+            return StepOutcome("tool" if kind else "invalid", True, info={"refused": bool(kind), "messages": msgs})
+        if kind != "tool_call":
+            msgs = [{"role": "assistant", "content": text}, {"role": "user", "content": INVALID_TOOL_ACTION.strip()}]
+            return StepOutcome("invalid", False, observation=INVALID_TOOL_ACTION, info={"messages": msgs})
+        payload = m.group(2)  # type: ignore[union-attr]
         parsed = parse_call(payload)
+        call = refused("", parsed) if isinstance(parsed, str) else self._call(parsed[0], parsed[1], self._tools_of(state))
+        return [call], lambda job: self._tool_step(text, parsed, job.results[0])
+
+    def _tool_step(self, text: str, parsed: tuple[str, Any] | str, result: ToolResult) -> StepOutcome:
         thought = text[: text.find("<tool_call>")].strip()
-        if isinstance(parsed, str):
-            result = ToolResult("", f"Error: {parsed}.", error=parsed)
-            calls: list[tuple[str, Any]] = []
-        else:
-            name, args = parsed
-            calls = [parsed]
-            tool = self._tools_of(state).get(name)
-            if tool is None:
-                why = f"there is no tool {name!r} (tools: {', '.join(self._tools_of(state)) or 'none'})"
-                result = ToolResult(name, f"Error: {why}.", error=why)
-            else:
-                result = tool.call(args, self.timeout_s)
+        calls: list[tuple[str, Any]] = [] if isinstance(parsed, str) else [parsed]
         msgs = [call_message(thought, calls), {"role": "tool", "name": result.name, "content": result.content}]
         info: dict[str, Any] = {"messages": msgs, "tool_calls_ran": int(result.ran)}
         if calls:
@@ -417,8 +450,9 @@ class ToolEnv:
             info=info,
         )
 
-    def _native_step(self, text: str, allowed: bool, state: Any) -> StepOutcome:
-        """One assistant turn in the model's own protocol (module docstring)."""
+    def _plan_native(self, text: str, allowed: bool, state: Any) -> StepOutcome | tuple[list[Any], Callable[[Job], StepOutcome]]:
+        """One assistant turn in the model's own protocol (module docstring): its outcome when it
+        calls no tool, else its calls and how to finish it."""
         tok = self.tokenizer
         content, parsed = parse_tool_calls(text, tok)
         calls = [c for c in parsed if isinstance(c, ToolCall)]
@@ -430,16 +464,15 @@ class ToolEnv:
         if not allowed:
             return StepOutcome("tool", True, info={"refused": True, "messages": [assistant_message(content, calls)]})
         tools = self._tools_of(state)
+        plan = [refused("", c.message) if isinstance(c, ToolCallError) else self._call(c.name, c.arguments, tools) for c in parsed]
+        return plan, lambda job: self._native_step(content, parsed, calls, job.results)
+
+    def _native_step(self, content: str, parsed: Sequence[Any], calls: list[ToolCall], done: list[ToolResult]) -> StepOutcome:
+        """One assistant turn's outcome from its calls' results, in call order."""
+        tok = self.tokenizer
         results: list[Message] = []
         errors, ran = [], 0
-        for c in parsed:
-            if isinstance(c, ToolCallError):
-                r = ToolResult("", f"Error: {c.message}.", error=c.message)
-            elif c.name not in tools:
-                why = f"there is no tool {c.name!r} (tools: {', '.join(tools) or 'none'})"
-                r = ToolResult(c.name, f"Error: {why}.", error=why)
-            else:
-                r = tools[c.name].call(c.arguments, self.timeout_s)
+        for c, r in zip(parsed, done, strict=True):
             ran += int(r.ran)
             if r.error:
                 errors.append(r.error)
@@ -476,15 +509,22 @@ class ToolEnv:
         states: Sequence[Any],
         completion_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> list[tuple[float, dict[str, Any]]]:
-        prompts = [[{"role": "user", "content": self.prompt(t)}] for t in tasks]
-        environments = states if self._class is not None else None
+        """The rewards of ending trajectories; the prompt each reward function sees carries the
+        reset text of the trajectory's own world; ``environments`` are the trajectories' tool-class
+        instances (TRL's name)."""
+        prompts = [
+            self.prompt_messages(t, s.reset_text if isinstance(s, ToolState) else None)
+            for t, s in zip(tasks, states, strict=True)
+        ]
+        environments = [s.obj if isinstance(s, ToolState) else s for s in states] if self._class is not None else None
         scored = self.rewards.score(tasks, prompts, completions, completion_ids, environments)  # type: ignore[union-attr]
         out = []
         for (total, values), state in zip(scored, states, strict=True):
-            if self._has_env_reward and state is not None:
-                own = float(state.get_reward())
-                values = {**values, self._class.__name__: own}  # type: ignore[union-attr]
-                total += own
+            if self._has_env_reward and isinstance(state, ToolState):
+                own = self._states.reward(state)  # type: ignore[union-attr]
+                if own is not None:
+                    values = {**values, self._class.__name__: own}  # type: ignore[union-attr]
+                    total += own
             out.append((total, {"rewards": values}))
         return out
 

@@ -19,11 +19,20 @@ from __future__ import annotations
 
 import inspect
 import json
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treegrpo.envs.tool_runner import (
+    Job,
+    ToolResult,
+    ToolRunner,
+    cut_result,
+    failure,
+    refused,
+    result_text,
+    timed_out,
+)
 from treegrpo.errors import ConfigError
 
 #: Method names of a tool class that are its state contract, not tools.
@@ -37,18 +46,6 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),
     "null": (type(None),),
 }
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """What one call returned: ``content`` (the text the model reads), ``error`` (set when the call
-    failed: the content then says why) and ``ran`` (the function was called: counted as a tool call
-    in the budget; a call refused before it ran — unknown tool, bad arguments — was not)."""
-
-    name: str
-    content: str
-    error: str | None = None
-    ran: bool = False
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -70,18 +67,26 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         ) from None
 
 
-def _check_type(value: Any, spec: Mapping[str, Any]) -> bool:
+def _fit_type(value: Any, spec: Mapping[str, Any]) -> tuple[bool, Any]:
+    """Whether ``value`` fits ``spec`` (transformers' schema conventions: ``nullable`` accepts
+    ``null``; a whole-number float such as ``3.0`` is an ``integer``), and the value to pass (the
+    float as an int)."""
+    if value is None and spec.get("nullable"):
+        return True, None
     kinds = spec.get("type")
     if kinds is None:
-        return True
+        return True, value
     kinds = kinds if isinstance(kinds, list) else [kinds]
     for k in kinds:
         types = _JSON_TYPES.get(k, (object,))
         if isinstance(value, bool) and k in ("integer", "number"):
             continue  # JSON true is not a number
-        if isinstance(value, types):
-            return "enum" not in spec or value in spec["enum"]
-    return False
+        v = value
+        if k == "integer" and isinstance(value, float) and value.is_integer():
+            v = int(value)
+        if isinstance(v, types) and ("enum" not in spec or v in spec["enum"]):
+            return True, v
+    return False, value
 
 
 @dataclass
@@ -103,69 +108,48 @@ class Tool:
 
     def check_arguments(self, arguments: Any) -> str | None:
         """Why ``arguments`` do not fit the schema (one sentence for the model), or ``None``."""
+        return self.prepare(arguments)[1]
+
+    def prepare(self, arguments: Any) -> tuple[dict[str, Any], str | None]:
+        """``arguments`` as the tool gets them (whole-number floats of integer arguments as ints),
+        and why they do not fit the schema (one sentence for the model), or ``None``."""
         if not isinstance(arguments, dict):
-            return f"the arguments of {self.name} must be a JSON object, got {type(arguments).__name__}"
+            return {}, f"the arguments of {self.name} must be a JSON object, got {type(arguments).__name__}"
         params = self.schema["function"].get("parameters", {})
         props: dict[str, Any] = params.get("properties", {})
         unknown = sorted(set(arguments) - set(props))
         if unknown:
-            return f"{self.name} has no argument {', '.join(unknown)} (its arguments: {', '.join(props) or 'none'})"
+            why = f"{self.name} has no argument {', '.join(unknown)} (its arguments: {', '.join(props) or 'none'})"
+            return {}, why
         missing = [a for a in params.get("required", []) if a not in arguments]
         if missing:
-            return f"{self.name} needs the argument {', '.join(missing)}"
+            return {}, f"{self.name} needs the argument {', '.join(missing)}"
+        out: dict[str, Any] = {}
         for k, v in arguments.items():
-            if not _check_type(v, props[k]):
-                return f"argument {k} of {self.name} must be {props[k].get('type')}, got {json.dumps(v)[:40]}"
-        return None
+            ok, out[k] = _fit_type(v, props[k])
+            if not ok:
+                return {}, f"argument {k} of {self.name} must be {props[k].get('type')}, got {_short_json(v)}"
+        return out, None
 
     def call(self, arguments: Any, timeout_s: float | None = None) -> ToolResult:
-        """Run the tool on ``arguments``; every failure is a :class:`ToolResult` with ``error``."""
-        why = self.check_arguments(arguments)
+        """Run the tool on ``arguments`` alone (checked, run on a :class:`ToolRunner`, time-limited);
+        every failure is a :class:`ToolResult` with ``error``."""
+        args, why = self.prepare(arguments)
         if why is not None:
-            return ToolResult(self.name, f"Error: {why}.", error=why)
+            return refused(self.name, why)
+        runner = ToolRunner(1, timeout_s)
         try:
-            value = _run(self.fn, arguments, timeout_s)
-        except TimeoutError:
-            why = f"{self.name} timed out after {timeout_s:g} s"
-            return ToolResult(self.name, f"Error: {why}.", error=why, ran=True)
-        except Exception as e:  # the tool's own failure is the model's information
-            why = f"{self.name} raised {type(e).__name__}: {e}"
-            return ToolResult(self.name, f"Error: {why}", error=why, ran=True)
-        return ToolResult(self.name, result_text(value), ran=True)
+            [job] = runner.run([Job(0, [(self, args)])])
+        finally:
+            runner.close()
+        return job.results[0]
 
 
-def result_text(value: Any) -> str:
-    """A tool's return value as the text the model reads: a string as it is, anything JSON can
-    write as JSON, anything else through ``str``."""
-    if isinstance(value, str):
-        return value
+def _short_json(v: Any) -> str:
     try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _run(fn: Callable[..., Any], arguments: dict[str, Any], timeout_s: float | None) -> Any:
-    """``fn(**arguments)``; with ``timeout_s`` in a daemon thread that is abandoned when it runs
-    past the limit (Python cannot stop a thread: a tool that never returns keeps its thread)."""
-    if timeout_s is None:
-        return fn(**arguments)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(**arguments)
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'fn')}")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise TimeoutError
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+        return json.dumps(v)[:40]
+    except (TypeError, ValueError, RecursionError):
+        return type(v).__name__
 
 
 def tool_method_names(cls: type) -> list[str]:
@@ -206,8 +190,12 @@ __all__ = [
     "Tool",
     "ToolResult",
     "bound_tools",
+    "cut_result",
+    "failure",
     "function_tools",
+    "refused",
     "result_text",
+    "timed_out",
     "tool_method_names",
     "tool_schema",
 ]

@@ -35,7 +35,7 @@ from treegrpo.rollout.chat import ObsFormat, observation_turn
 from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams, takes_seeds
 from treegrpo.rollout.loop import Loop
 from treegrpo.rollout.pipeline import run_pipelined
-from treegrpo.rollout.state import StateKeeper
+from treegrpo.rollout.state import StateKeeper, bind_world, open_world
 from treegrpo.rollout.streams import base_seed
 from treegrpo.rollout.templates import check_tool_template, rerender_note
 from treegrpo.rollout.toolcall import end_of_turn_ids
@@ -287,13 +287,17 @@ class StepRunner:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def new_forest(self, task: Task, n_trees: int) -> Forest:
-        """A forest of ``n_trees`` trees, each holding only its root (the prompt)."""
+        """A forest of ``n_trees`` trees, each holding only its root (the prompt). A stateful env with
+        worlds makes the forest's world first: the prompt shows it, every trajectory starts from it."""
+        world = open_world(self.env, task)
         ids = self.prompt_ids(task)
         text = self.env.prompt(task)
         trees = [
             Tree([Node(0, None, text=text, tokens=list(ids), policy_mask=[0] * len(ids))])
             for _ in range(n_trees)
         ]
+        if world is not None:
+            bind_world(self.env, world, trees)
         extra = {"question": task.question, "answers": list(task.answers)}
         if task.data_source:
             extra["data_source"] = task.data_source

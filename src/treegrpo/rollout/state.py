@@ -10,6 +10,13 @@ forked), else — replay mode, or a node whose state was not kept, e.g. from an 
 recorded steps of the rest of the path replayed on it. Everything is released when the rollout
 ends (:meth:`StateKeeper.release`).
 
+An env with worlds (``open_world(task)``, ``world_state(world, task)``, ``close_world(world)``:
+:class:`~treegrpo.envs.tool_env.ToolEnv` with a tool class) makes the world a forest's prompt
+describes once per forest (:func:`open_world`, when the forest is made); a trajectory that starts
+at the root of one of the forest's trees starts from ``world_state`` of it (a copy), not from a new
+``initial_state`` — so the prompt and every trajectory's state agree, even with a random ``reset``.
+The world lives as long as one of its trees does (then ``close_world``).
+
 When the env can key its states (:func:`treegrpo.envs.state.state_key`), the keeper also writes
 each node's key into ``node.extra["state_key"]`` (the root's when a trajectory first starts there),
 in every state mode; GiGPO's anchor states are these keys.
@@ -17,7 +24,9 @@ in every state mode; GiGPO's anchor states are these keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +37,41 @@ from treegrpo.tree import Node, Tree
 
 def _short(text: str | None) -> str:
     return repr(text) if text is None or len(text) <= 80 else repr(text[:77] + "...")
+
+
+_WORLDS: dict[int, Any] = {}  # id(tree) -> the world of its forest (while the tree lives)
+
+
+def open_world(env: Any, task: Task) -> Any:
+    """A new world for a new forest of ``task`` when ``env`` has worlds (module docstring), else ``None``."""
+    opener = getattr(env, "open_world", None)
+    return opener(task) if callable(opener) else None
+
+
+def bind_world(env: Any, world: Any, trees: Sequence[Tree]) -> None:
+    """Make ``world`` the start of every trajectory from the roots of ``trees``; ``env.close_world``
+    it once none of them is left."""
+    left = [len(trees)]
+
+    def drop(key: int) -> None:
+        _WORLDS.pop(key, None)
+        left[0] -= 1
+        if left[0] == 0:
+            try:
+                env.close_world(world)
+            except Exception as e:  # a finalizer cannot raise: say it in one line
+                print(f"treegrpo: closing a forest's world: {e}", file=sys.stderr)
+
+    for tree in trees:
+        _WORLDS[id(tree)] = world
+        weakref.finalize(tree, drop, id(tree)).atexit = False  # nothing to close at interpreter exit
+
+
+def root_state(env: Any, tree: Tree, task: Task) -> Any:
+    """A fresh live state for a trajectory starting at ``tree``'s root: a copy of its forest's
+    world when it has one, else ``env.initial_state(task)``."""
+    world = _WORLDS.get(id(tree))
+    return env.initial_state(task) if world is None else env.world_state(world, task)
 
 
 @dataclass
@@ -90,7 +134,7 @@ class StateKeeper:
                 start = i
                 break
         if state is None:
-            state = self.env.initial_state(task)
+            state = root_state(self.env, tree, task)
         replayed = 0
         history = [(nd.text, nd.observation) for nd in path[1 : start + 1]]
         for nd in path[start + 1 :]:
@@ -134,4 +178,4 @@ class StateKeeper:
         self._kept.clear()
 
 
-__all__ = ["StateKeeper"]
+__all__ = ["StateKeeper", "bind_world", "open_world", "root_state"]

@@ -223,6 +223,7 @@ def user_env(cfg: TrainConfig, user: UserObjects | None, tokenizer: Any = None, 
         protocol=tool_protocol(cfg.protocol, tokenizer, taught),
         prompt_template=template,
         timeout_s=cfg.tool_timeout_s,
+        tool_concurrency=cfg.tool_concurrency,
         tokenizer=tokenizer,
         max_result_tokens=cfg.max_obs_tokens,
     )

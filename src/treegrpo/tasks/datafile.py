@@ -236,7 +236,8 @@ def search_env(cfg: TrainConfig, tiny: bool, tokenizer: Any = None) -> AgentEnv:
             raise ConfigError("protocol tools needs a chat model with a chat template; the tiny agent speaks the tags")
         return ToolEnv(
             [search_tool(retriever, cfg.topk)], rewards=RewardSet.of(list(cfg.reward), cfg.reward_weights),
-            protocol="tools", timeout_s=cfg.tool_timeout_s, tokenizer=tokenizer, max_result_tokens=cfg.max_obs_tokens,
+            protocol="tools", timeout_s=cfg.tool_timeout_s, tool_concurrency=cfg.tool_concurrency, tokenizer=tokenizer,
+            max_result_tokens=cfg.max_obs_tokens,
         )  # fmt: skip
     template = cfg.prompt_template if cfg.prompt_template != "auto" else ("minimal" if tiny else "search_r1")
     return SearchEnv(retriever, topk=cfg.topk, **reward_options(cfg.reward, cfg.reward_weights), prompt_template=template)

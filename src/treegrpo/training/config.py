@@ -93,6 +93,11 @@ class TrainConfig(BaseModel):
     tool_timeout_s: float | None = Field(
         30.0, gt=0.0, description="A tool call running longer gets a time-out error as its result (null: no limit)."
     )
+    tool_concurrency: int = Field(
+        32,
+        ge=1,
+        description="Tool calls running at once over a batch (sync tools on threads, async tools on the run's event loop; each trajectory's calls in order; 1: one after another). Sized for network tools (docs/tools.md).",
+    )
 
     # -- rollout -----------------------------------------------------------------------------------
     sampler: Literal["tree", "chain", "eptree"] = Field(
