@@ -27,7 +27,7 @@ import torch
 
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env, check_outcomes
 from treegrpo.errors import ConfigError
-from treegrpo.rollout.chat import ObsFormat, observation_turn
+from treegrpo.rollout.chat import ObsFormat, encode_observation, observation_turn
 from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
 from treegrpo.rollout.templates import check_tool_template, rerender_note
@@ -49,6 +49,10 @@ class AgentConfig:
         use_chat_template: apply the tokenizer's chat template to the prompt when it has one.
         obs_format: ``inline`` (the observation follows the step in the same assistant turn,
             Search-R1's way) or ``chat`` (a new turn through the chat template; :mod:`.chat`).
+        plain_observations: tool results and other observation text are tokenized as plain text
+            (a result that spells ``<|im_end|>`` stays characters; only the template's own turn
+            markers are control tokens: :func:`~treegrpo.rollout.chat.encode_observation`);
+            ``False``: special tokens are parsed in the whole observation (TRL's and vLLM's way).
     """
 
     max_turns: int = 4
@@ -59,6 +63,7 @@ class AgentConfig:
     top_p: float = 1.0
     use_chat_template: bool = True
     obs_format: ObsFormat = "inline"
+    plain_observations: bool = True
 
 
 def fit_context_to_engine(cfg: AgentConfig, engine: object) -> tuple[AgentConfig, str | None]:
@@ -232,33 +237,39 @@ class StepRunner:
         return Forest(task.id, trees, extra)
 
     # -- observations ----------------------------------------------------------------------------
-    def observation_ids(self, observation: str) -> tuple[str, list[int]]:
+    def observation_ids(self, observation: str, parts: Any = None) -> tuple[str, list[int]]:
         """The observation as kept (text, ids), tokenized once: at most ``max_obs_tokens`` ids. An
         env with ``fit_observation`` (the search env) shortens a long one keeping its structure
         (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut.
         In ``chat`` format the kept text is then wrapped in its own turn (the wrapper's ids come on
-        top of ``max_obs_tokens``)."""
+        top of ``max_obs_tokens``). ``parts``: the observation's ``(text, control)`` pieces
+        (``StepOutcome.observation_parts``; ``None``: all plain text), tokenized by
+        :func:`~treegrpo.rollout.chat.encode_observation`. In the native protocol an observation
+        without parts (a demonstration's) is the template's text: its special tokens are parsed."""
         if self.turns_end_at_eos:  # the native protocol: the env rendered the tool turn (results cut) itself
-            return observation, list(self.tokenizer.encode(observation, add_special_tokens=False))
+            return observation, self._encode(observation, ((observation, True),) if parts is None else parts)
         before, after = self.obs_turn
         chat = self.cfg.obs_format == "chat"
-        text, ids = self._fit_observation(observation.strip() if chat else observation)
+        text, ids = self._fit_observation(observation.strip() if chat else observation, None if chat else parts)
         if chat:  # its own message: without the inline format's surrounding blank lines
             enc = self.tokenizer.encode
             ids = enc(before, add_special_tokens=False) + ids + enc(after, add_special_tokens=False)
             text = before + text + after
         return text, list(ids)
 
-    def _fit_observation(self, observation: str) -> tuple[str, list[int]]:
-        ids = list(self.tokenizer.encode(observation, add_special_tokens=False))
+    def _encode(self, text: str, parts: Any = None) -> list[int]:
+        return encode_observation(self.tokenizer, text, parts, plain=self.cfg.plain_observations)
+
+    def _fit_observation(self, observation: str, parts: Any = None) -> tuple[str, list[int]]:
+        ids = self._encode(observation, parts)
         cap = self.cfg.max_obs_tokens
         if len(ids) <= cap:
             return observation, ids
         fit = getattr(self.env, "fit_observation", None)
         if fit is not None:
-            text = fit(observation, lambda t: len(self.tokenizer.encode(t, add_special_tokens=False)), cap)
+            text = fit(observation, lambda t: len(self._encode(t)), cap)
             if text is not None:
-                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                ids = self._encode(text)
                 if len(ids) <= cap:
                     return text, ids
         ids = ids[:cap]
@@ -374,7 +385,7 @@ class StepRunner:
                 done, reward, info = out.done, out.reward, dict(out.info)
                 ended = not done and g.finish_reason == "eos" and not self.turns_end_at_eos
                 if not done and not ended:
-                    obs_text, obs_ids = self.observation_ids(out.observation or "")
+                    obs_text, obs_ids = self.observation_ids(out.observation or "", out.observation_parts)
                     room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
                     ended = room > self.cfg.max_context_tokens  # no room for another step: end here
                 if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room
