@@ -30,7 +30,7 @@ from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, encode_observation, observation_turn
 from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams
 from treegrpo.rollout.state import StateKeeper
-from treegrpo.rollout.templates import check_tool_template, rerender_note
+from treegrpo.rollout.templates import prepare_tool_template
 from treegrpo.rollout.toolcall import end_of_turn_ids
 from treegrpo.tree import Forest, Node, Tree
 
@@ -199,8 +199,8 @@ class StepRunner:
         if self.chat_tools is not None:
             if not (self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None)):
                 raise ConfigError("protocol tools needs the model's chat template: this tokenizer has none (--chat-template NAME|FILE)")
-            check_tool_template(self.tokenizer, self.chat_tools)
-            self.template_note = rerender_note(self.tokenizer, self.chat_tools)
+            notes = prepare_tool_template(self.tokenizer, self.chat_tools)  # TRL's training variant where needed
+            self.template_note = "; ".join(notes) or None
         if self.turns_end_at_eos:  # every end-of-turn token ends a step (<|im_end|>, <|eot_id|>, <|eom_id|>)
             stop_ids = sorted(set(stop_ids) | end_of_turn_ids(self.tokenizer))
         self.params = SamplingParams(

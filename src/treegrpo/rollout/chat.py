@@ -46,17 +46,26 @@ def appended_text(
     last of them in the rendered history — the generated ids stop at that token, included (the
     native tool protocol, :func:`treegrpo.rollout.toolcall.tool_turn_text`); without it, the
     assistant turn is left open (``continue_final_message``) and the text returned closes it (the
-    ``chat`` observation format, :func:`observation_turn`). ``None`` when the template does not
-    render ``history`` as a prefix of the longer conversation (or ``close`` is not in it)."""
+    ``chat`` observation format, :func:`observation_turn`). Where the rendered history has no
+    end-of-turn token after the assistant turn and the longer rendering continues with one (GLM
+    writes ``<|observation|>`` as the tool turn's opening), the model generates that token: the text
+    returned begins after it. ``None`` when the template does not render ``history`` as a prefix of
+    the longer conversation (or ``close`` is not in it)."""
     kw: dict[str, Any] = {"tools": tools} if tools else {}
     if close is None:
         head = tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=False, **kw)
     else:
         head = tokenizer.apply_chat_template(history, tokenize=False, **kw)
+        full = tokenizer.apply_chat_template([*history, *added], add_generation_prompt=True, tokenize=False, **kw)
+        rest = full[len(head) :] if full.startswith(head) else ""
+        opens = next((t for t in close if t and rest.startswith(t)), None)
+        if opens is not None and not any(t and head.rstrip().endswith(t) for t in close):
+            return rest[len(opens) :]  # the turn's end token opens the next turn (GLM's <|observation|>)
         cut = max((head.rfind(t) + len(t) for t in close if t and t in head), default=-1)
         if cut < 0:
             return None
         head = head[:cut]
+        return full[len(head) :] if full.startswith(head) else None
     full = tokenizer.apply_chat_template([*history, *added], add_generation_prompt=True, tokenize=False, **kw)
     return full[len(head) :] if full.startswith(head) else None
 

@@ -238,7 +238,7 @@ def _blocks(text: str, open_: str, close: str, on_block: Callable[[str, str], To
 @register
 class HarmonyParser(ToolParser):
     name = "harmony"
-    markers = ("<|call|>", "to=functions.")
+    markers = ("<|call|>", "<|channel|>")
     _MESSAGE = re.compile(r"<\|message\|>")
 
     def split(self, text: str, types: dict[str, dict[str, str]]) -> tuple[str, Parsed]:
@@ -255,9 +255,6 @@ class HarmonyParser(ToolParser):
             body = re.split(r"<\|(?:end|call|return)\|>", body, maxsplit=1)[0]
             m = re.search(r"to=functions\.([^\s<]+)", head)
             if m is not None:
-                if not msg.rstrip().endswith("<|call|>") and "<|call|>" not in msg:
-                    calls.append(ToolCallError(f"the call of {m.group(1)} does not end with <|call|>", msg))
-                    continue
                 args, why = safe_json(body) if body.strip() else ({}, None)
                 if why is not None:
                     calls.append(ToolCallError(f"the arguments of {m.group(1)} are not JSON ({why})", msg))

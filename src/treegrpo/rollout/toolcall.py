@@ -112,7 +112,8 @@ def parse_tool_calls(
     template no parser recognizes, the tokenizer's response parser when it has one
     (``response_template``), else ``hermes`` when the text holds ``<tool_call>`` and ``llama3_json``
     otherwise. A parser name forces that parser. ``schemas`` (the tools' JSON schemas) type the
-    values of XML-style calls (``qwen3_xml``, ``glm45``)."""
+    values of XML-style calls (``qwen3_xml``, ``glm45``). The content leaves out the turn's thinking
+    (:func:`strip_thinking`): it is the answer the rewards read; the ids keep the thinking."""
     name = _ALIASES.get(fmt, fmt)
     if name != "auto" and name not in PARSERS:
         raise ValueError(f"unknown tool-call format {fmt!r}: auto or one of {', '.join(PARSERS)}")
@@ -124,7 +125,13 @@ def parse_tool_calls(
             return _from_response_parser(tokenizer, text, ends)
         name = name or ("hermes" if "<tool_call>" in body else "llama3_json")
     content, calls = parse_turn(body, name, schemas)
-    return content.strip(), calls
+    return strip_thinking(content).strip(), calls
+
+
+def strip_thinking(content: str) -> str:
+    """A turn's content without its thinking: the text after the last ``</think>`` (a thinking model
+    writes ``<think>…</think>`` first, or only ``…</think>`` after a prompt that opened the block)."""
+    return content.rsplit("</think>", 1)[1] if "</think>" in content else content
 
 
 def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
