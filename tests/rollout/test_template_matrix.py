@@ -56,6 +56,11 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+#: A thinking template's prompt ends ``<think>\n``: a turn with no thought writes ``\n</think>``, and
+#: the whole conversation's ``<think>\n\n</think>`` tokenizes ``\n\n`` as one token.
+EMPTY_THOUGHT = "with a thought (an empty one: the loop's `\\n` `\\n` is the whole's `\\n\\n`)"
+
+
 #: family -> (renders, exact ids, parses, trains a step, thinking): the docs' table. "yes" cells
 #: are asserted as such; any other text is what the test finds instead (asserted too).
 MATRIX: dict[str, tuple[str, str, str, str, str]] = {
@@ -63,10 +68,10 @@ MATRIX: dict[str, tuple[str, str, str, str, str]] = {
     "qwen3": ("yes, as qwen3_training (swapped in)", "yes", "hermes", "yes", "keep"),
     "qwen3_instruct_2507": ("yes", "yes", "hermes", "yes", "no thinking in the template"),
     "qwen3_vl": ("yes", "yes", "hermes", "yes", "keep"),
-    "qwen3_5_think": ("yes", "yes", "qwen3_xml", "yes", "keep"),
+    "qwen3_5_think": ("yes", "yes, " + EMPTY_THOUGHT, "qwen3_xml", "yes", "keep"),
     "qwen3_5_nothink": ("yes", "yes", "qwen3_xml", "yes", "no thinking (its prompt closes the think block)"),
-    "qwen3_6": ("yes", "yes", "qwen3_xml", "yes", "keep"),
-    "qwen3_8": ("yes", "yes", "qwen3_xml", "yes", "keep"),
+    "qwen3_6": ("yes", "yes, " + EMPTY_THOUGHT, "qwen3_xml", "yes", "keep"),
+    "qwen3_8": ("yes", "yes, " + EMPTY_THOUGHT, "qwen3_xml", "yes", "keep"),
     "nemotron_3_nano": ("yes", "yes", "qwen3_xml", "yes", "keep"),
     "nemotron_3_super": ("yes", "yes", "qwen3_xml", "yes", "keep"),
     "glm4moe": ("yes", "yes", "glm45", "yes", "keep"),
@@ -192,7 +197,9 @@ def test_the_template_matrix(smollm2: Any, smollm2_2layer_dir: Path, name: str) 
         whole = render(tok, conv, schemas)
         found[think] = (whole.startswith(held) and not whole[len(held) :].strip(), conv, pieces, results)
         if found[think][0]:  # exact: the ids, token for token
-            assert loop_ids(tok, pieces, results, schemas) == ids(tok, held)
+            same = loop_ids(tok, pieces, results, schemas) == ids(tok, held)
+            empty = not think and pieces[0][1].endswith("<think>\n")  # an empty thought after a prompt opening one
+            assert same or (empty and EMPTY_THOUGHT in exact), (name, think)
     if thinking == "keep":
         assert found[True][0]
     elif thinking == "no thinking in the template":  # a thought given to it is not rendered
@@ -204,7 +211,7 @@ def test_the_template_matrix(smollm2: Any, smollm2_2layer_dir: Path, name: str) 
     assert any(v[0] for v in found.values())
     # parses: the first turn's calls come back, typed by the schema
     _, conv, pieces, results = next(v for v in found.values() if v[0])
-    assert len(conv[1]["tool_calls"]) == (2 if exact == "yes" else 1)
+    assert len(conv[1]["tool_calls"]) == (2 if exact.startswith("yes") else 1)
     assert bool(conv[1]["content"]) == ("no text" not in exact and not conv[1].get("thinking"))
     _, calls = parse_tool_calls(pieces[1][1], tok, schemas=schemas)
     assert [(c.name, c.arguments) for c in calls] == [("add", m["function"]["arguments"]) for m in conv[1]["tool_calls"]]

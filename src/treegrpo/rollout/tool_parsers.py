@@ -341,7 +341,7 @@ class Qwen3XMLParser(ToolParser):
 @register
 class Llama3JSONParser(ToolParser):
     name = "llama3_json"
-    markers = ('"parameters"', "<|eot_id|>")
+    markers = ("parameters", "<|eot_id|>")
     _START = re.compile(r'\{\s*"name"\s*:')
 
     def split(self, text: str, types: dict[str, dict[str, str]]) -> tuple[str, Parsed]:

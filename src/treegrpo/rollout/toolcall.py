@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from treegrpo.errors import ConfigError
+from treegrpo.models.loader import GENERATION_EOS_ATTR
 from treegrpo.rollout.chat import appended_text
 from treegrpo.rollout.tool_parsers import (
     PARSERS,
@@ -45,14 +46,12 @@ END_OF_TURN_TOKENS: tuple[str, ...] = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|observation|>", "<|user|>", "<|call|>", "<|return|>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
 )  # fmt: skip
-#: The tokenizer attribute holding the model's ``generation_config.eos_token_id`` ids (set by
-#: :func:`treegrpo.models.loader.load_tokenizer`): every one of them ends a turn too.
-GENERATION_EOS_ATTR = "generation_eos_token_ids"
 
 
 def end_of_turn_ids(tokenizer: Any) -> set[int]:
     """The ids that end an assistant turn: the tokenizer's EOS, the model's generation EOS ids
-    (:data:`GENERATION_EOS_ATTR`: Llama's ``<|end_of_text|>``, Qwen's ``<|endoftext|>``, a list),
+    (``generation_config.eos_token_id``, read by :func:`~treegrpo.models.loader.load_tokenizer`:
+    Llama's ``<|end_of_text|>``, Qwen's ``<|endoftext|>``, a list),
     and whichever of :data:`END_OF_TURN_TOKENS` it has as single tokens."""
     out: set[int] = set()
     for eos in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, GENERATION_EOS_ATTR, None)):

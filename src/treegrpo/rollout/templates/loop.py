@@ -85,13 +85,16 @@ def loop_pieces(
         while k + 1 < len(messages) and messages[k + 1]["role"] == "tool":
             results.append(messages[k + 1])
             k += 1
+        body = full[len(head) :]  # the turn as the model writes it (the last message)
         if msg.get("tool_calls"):
             tool = tool_turn_text(tokenizer, results, schemas)
-            nxt = render(tokenizer, messages[: k + 1], schemas, True)
-            turn = nxt[len(head) : len(nxt) - len(tool)] if nxt.endswith(tool) and nxt.startswith(head) else _cut(full[len(head) :], ends)
+            turn = _cut(body, ends)
+            if turn == body:  # no end-of-turn token in it: the one opening the tool turn (GLM's <|observation|>)
+                nxt = render(tokenizer, messages[: k + 1], schemas, True)
+                rest = nxt[len(head) :] if nxt.startswith(head) else ""
+                turn = body.rstrip() + next((t for t in ends if t and rest.startswith(body.rstrip() + t)), "")
             pieces += [("turn", turn), ("tool", tool)]
         else:  # the final turn: through its end-of-turn token where the template writes one
-            body = full[len(head) :]
             pieces.append(("turn", _cut(body, ends) if _cut(body, ends) != body else body.rstrip()))
         k += 1
     return pieces
