@@ -76,6 +76,10 @@ TURNS: dict[str, tuple[str, str, list[ToolCall]]] = {
         "<\uff5ctool\u2581calls\u2581end\uff5c>",
         "Let me check.", [PARIS, ROME],
     ),
+    "pythonic": (
+        'Let me check.<|tool_call_start|>[get_weather(city="Paris", days=2), get_weather(city="Rome", days=3)]<|tool_call_end|>',
+        "Let me check.", [PARIS, ROME],
+    ),
     "llama3_json": (
         '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; { "name" : "get_weather", "arguments": '
         '{"city": "Rome", "days": 3}}',
@@ -158,6 +162,7 @@ def test_hostile_calls_are_errors_in_every_syntax_and_protocol(what: str) -> Non
         f"get_weather\n```json\n{body[43:-1]}\n```<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>",
         "qwen3_xml": f"<tool_call><function=get_weather><parameter=hours>{body[43:-1]}</parameter></function></tool_call>",
         "glm45": f"<tool_call>get_weather<arg_key>hours</arg_key><arg_value>{body[43:-1]}</arg_value></tool_call>",
+        "pythonic": f"<|tool_call_start|>[get_weather(hours={body[43:-1]})]<|tool_call_end|>",
     }
     for fmt, text in wrapped.items():
         _, calls = parse_turn(text, fmt, SCHEMAS)

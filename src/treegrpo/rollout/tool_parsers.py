@@ -22,6 +22,8 @@ Syntaxes (``name``: what the model writes; which chat templates write it):
   content is the ``final`` channel's text;
 - ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then a
   fenced JSON block and ``<｜tool▁call▁end｜>``, per call;
+- ``pythonic``: LFM2's ``<|tool_call_start|>[name(key=value, …), …]<|tool_call_end|>`` (Python
+  literals only, read with ``ast``: nothing is evaluated);
 - ``llama3_json``: Llama 3.1/3.2's JSON objects ``{"name": …, "parameters"|"arguments": {…}}``
   (whitespace anywhere JSON allows it), separated by ``;`` or whitespace, optionally after
   ``<|python_tag|>``.
@@ -368,6 +370,48 @@ class Llama3JSONParser(ToolParser):
             pos += sep.end() if sep else 0
         kept.append(region[pos:])
         return "".join(kept), calls
+
+
+@register
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    markers = ("<|tool_call_start|>", "<|tool_call_end|>")
+
+    def split(self, text: str, types: dict[str, dict[str, str]]) -> tuple[str, Parsed]:
+        content, lists = _blocks(text, "<|tool_call_start|>", "<|tool_call_end|>", lambda b, r: ToolCallError(b, r))
+        calls: Parsed = []
+        for item in lists:  # each block's body (in .message) holds a list of calls
+            calls += [item] if item.message.startswith("<|tool_call_start|>") else self._calls(item.message, item.raw)
+        return content, calls
+
+    def _calls(self, body: str, raw: str) -> Parsed:
+        import ast
+
+        body = body.strip()
+        if len(body) > MAX_CALL_CHARS:
+            return [ToolCallError(f"a call longer than {MAX_CALL_CHARS} characters", raw)]
+        depth = 0
+        for ch in body:
+            depth += (ch in "([{") - (ch in ")]}")
+            if depth > MAX_JSON_DEPTH:
+                return [ToolCallError(f"calls nested deeper than {MAX_JSON_DEPTH} levels", raw)]
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            return [ToolCallError(f"the calls are not a Python list of calls ({type(e).__name__})", raw)]
+        out: Parsed = []
+        for node in tree.elts if isinstance(tree, ast.List) else [tree]:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+                out.append(ToolCallError("a call must be name(key=value, …)", raw))
+                continue
+            try:
+                args = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+            except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError) as e:
+                out.append(ToolCallError(f"the arguments of {node.func.id} are not literals ({type(e).__name__})", raw))
+                continue
+            big = next((v for v in args.values() if isinstance(v, int) and len(str(abs(v))) > MAX_INT_DIGITS), None)
+            out.append(ToolCall(node.func.id, args) if big is None else ToolCallError(f"an integer of more than {MAX_INT_DIGITS} digits", raw))
+        return out
 
 
 @register
