@@ -82,9 +82,9 @@ def tool_call_format(tokenizer: Any | None) -> str | None:
     return detect_format(getattr(tokenizer, "chat_template", None))
 
 
-def _from_response_parser(tokenizer: Any, text: str, ends: tuple[str, ...]) -> tuple[str, list[ToolCall | ToolCallError]]:
+def _from_response_parser(tokenizer: Any, text: str, ends: tuple[str, ...]) -> tuple[str, list[ToolCall | ToolCallError]] | str:
     """``tokenizer.parse_response`` (transformers 5's response parser, for a template no registered
-    parser reads): the content and calls, or one error saying why the parser failed on the text."""
+    parser reads): the content and calls, or why the parser failed on the text."""
     try:
         msg = tokenizer.parse_response(text, prefix="")
         calls: list[ToolCall | ToolCallError] = []
@@ -97,8 +97,7 @@ def _from_response_parser(tokenizer: Any, text: str, ends: tuple[str, ...]) -> t
         content = msg.get("content")
         return _strip_turn_end(content if isinstance(content, str) else "", ends).strip(), calls
     except Exception as e:  # the parser fails on bad model output: data, never a crash
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        return "", [ToolCallError(f"the tokenizer's response parser failed on the turn ({why})", text)]
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def parse_tool_calls(
@@ -109,21 +108,28 @@ def parse_tool_calls(
 
     ``fmt="auto"``: the parser of the tokenizer's chat template (:func:`tool_call_format`); for a
     template no parser recognizes, the tokenizer's response parser when it has one
-    (``response_template``), else ``hermes`` when the text holds ``<tool_call>`` and ``llama3_json``
-    otherwise. A parser name forces that parser. ``schemas`` (the tools' JSON schemas) type the
-    values of XML-style calls (``qwen3_xml``, ``glm45``). The content leaves out the turn's thinking
+    (``response_template``; where it fails on the text, the fallback below, and one error holding
+    the text when that finds no call either), else ``hermes`` when the text holds ``<tool_call>``
+    and ``llama3_json`` otherwise. A parser name forces that parser. ``schemas`` (the tools' JSON
+    schemas) type the values of XML-style calls (``qwen3_xml``, ``glm45``). The content leaves out the turn's thinking
     (:func:`strip_thinking`): it is the answer the rewards read; the ids keep the thinking."""
     name = _ALIASES.get(fmt, fmt)
     if name != "auto" and name not in PARSERS:
         raise ValueError(f"unknown tool-call format {fmt!r}: auto or one of {', '.join(PARSERS)}")
     ends = end_of_turn_tokens(tokenizer)
     body = _strip_turn_end(text, ends)
+    failed = None
     if name == "auto":
         name = tool_call_format(tokenizer)
         if name is None and getattr(tokenizer, "response_template", None) is not None:
-            return _from_response_parser(tokenizer, text, ends)
+            parsed = _from_response_parser(tokenizer, text, ends)
+            if not isinstance(parsed, str):
+                return parsed
+            failed = parsed  # then the built-in parsers, each bad call on its own
         name = name or ("hermes" if "<tool_call>" in body else "llama3_json")
     content, calls = parse_turn(body, name, schemas)
+    if failed is not None and not calls:
+        return "", [ToolCallError(f"the tokenizer's response parser failed on the turn ({failed})", body)]
     return strip_thinking(content).strip(), calls
 
 
