@@ -111,8 +111,9 @@ def parse_tool_calls(
     (``response_template``; where it fails on the text, the fallback below, and one error holding
     the text when that finds no call either), else ``hermes`` when the text holds ``<tool_call>``
     and ``llama3_json`` otherwise. A parser name forces that parser. ``schemas`` (the tools' JSON
-    schemas) type the values of XML-style calls (``qwen3_xml``, ``glm45``). The content leaves out the turn's thinking
-    (:func:`strip_thinking`): it is the answer the rewards read; the ids keep the thinking."""
+    schemas) type the values of XML-style calls (``qwen3_xml``, ``glm45``). The content leaves out
+    the turn's thinking (:func:`strip_thinking`): it is the answer the rewards read; the ids keep
+    the thinking."""
     name = _ALIASES.get(fmt, fmt)
     if name != "auto" and name not in PARSERS:
         raise ValueError(f"unknown tool-call format {fmt!r}: auto or one of {', '.join(PARSERS)}")
