@@ -21,6 +21,7 @@ from treegrpo.rollout.templates import (
     BUILTIN_TEMPLATES,
     check_tool_template,
     load_chat_template,
+    prepare_tool_template,
     rerender_note,
     set_chat_template,
 )
@@ -156,10 +157,15 @@ def test_rerender_note(smollm2: Any) -> None:
     set_chat_template(gpt2_split, "llama3.1")
     note = rerender_note(gpt2_split, SCHEMAS)
     assert note is not None and "splits the text at a turn boundary" in note
-    thinking = copy.deepcopy(smollm2)
-    thinking.chat_template = THINK_DROPPING
+    thinking = copy.deepcopy(smollm2)  # chatml-tools that renders an assistant turn's thought only while it is last
+    thinking.chat_template = load_chat_template("chatml-tools").replace(
+        '"\\n<|im_start|>assistant\\n" + (message.content or "")',
+        '"\\n<|im_start|>assistant\\n" + ("<think>" + message.reasoning_content + "</think>" if message.reasoning_content '
+        'and loop.last else "") + (message.content or "")',
+    )
+    assert thinking.chat_template != load_chat_template("chatml-tools")
     note = rerender_note(thinking, SCHEMAS)
-    assert note is not None and "re-renders earlier turns" in note and "\n" not in note
+    assert note is not None and "re-renders earlier turns (with thinking" in note and "\n" not in note
 
 
 def test_set_chat_template_needs_the_templates_special_tokens(smollm2: Any, tmp_path: Path) -> None:
@@ -219,8 +225,10 @@ def test_trl_accepts_our_templates_and_parses_their_calls(smollm2: Any) -> None:
 
 @needs_package("trl")
 def test_the_notes_on_the_real_templates_trl_ships(smollm2: Any) -> None:
-    """Real templates (as TRL 1.16 ships them): Qwen3 drops earlier thinking (re-render), its TRL
-    training variant and Qwen2.5 do not; Meta's Llama 3.1 refuses two calls in one turn."""
+    """Real templates (as TRL 1.16 ships them): Qwen3's own is refused at start-up in one line
+    (it re-renders a turn once its results follow: the run died at the first tool call) and its
+    TRL training variant, shipped here too, is swapped in; Meta's Llama 3.1 refuses two calls in
+    one turn."""
     import trl
 
     def real(name: str) -> Any:
@@ -230,8 +238,15 @@ def test_the_notes_on_the_real_templates_trl_ships(smollm2: Any) -> None:
         return tok
 
     assert rerender_note(real("qwen2_5"), SCHEMAS) is None and rerender_note(real("qwen3_training"), SCHEMAS) is None
-    qwen3 = rerender_note(real("qwen3"), SCHEMAS)
-    assert qwen3 is not None and "re-renders earlier turns (the prompt of assistant turn 3 does not begin with assistant turn 2" in qwen3
+    with pytest.raises(ConfigError) as e:  # Qwen3's own template: the run died at the first tool call
+        real("qwen3")
+    assert "\n" not in str(e.value) and "prefix" in str(e.value)
+    qwen3 = copy.deepcopy(smollm2)
+    qwen3.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    (note,) = prepare_tool_template(qwen3, SCHEMAS)  # TRL's training variant, swapped in as TRL does
+    assert "using TRL's prefix-preserving qwen3_training template" in note and "\n" not in note
+    assert qwen3.chat_template == (Path(trl.__file__).parent / "chat_templates" / "qwen3_training.jinja").read_text()
+    assert qwen3.chat_template == load_chat_template(str(resources.files("treegrpo.rollout.templates") / "trl-qwen3_training.jinja"))
     llama = real("llama3_1")
     note = rerender_note(llama, SCHEMAS)
     assert note is not None and "refuses several tool calls in one turn" in note and "\n" not in note

@@ -106,7 +106,8 @@ def test_llama3_invalid_json_is_an_error_holding_the_rest_of_the_turn() -> None:
 def test_a_named_format_uses_that_parser_only() -> None:
     llama = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     assert parse_tool_calls(llama + "<|eot_id|>", fmt="hermes") == (llama, [])
-    with pytest.raises(ValueError, match="auto, hermes or llama3"):
+    assert parse_tool_calls(llama + "<|eot_id|>", fmt="llama3") == parse_tool_calls(llama, fmt="llama3_json")
+    with pytest.raises(ValueError, match="auto or one of harmony, deepseek_v3"):
         parse_tool_calls(PARIS, fmt="xml")  # type: ignore[arg-type]
 
 

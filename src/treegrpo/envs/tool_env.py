@@ -55,6 +55,7 @@ from treegrpo.envs.tool_runner import Job, ToolRunner
 from treegrpo.envs.tool_state import ClassTools, ToolState, class_mode, probe_class
 from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, refused, tool_method_names
 from treegrpo.errors import ConfigError
+from treegrpo.rollout.tool_parsers import safe_json
 from treegrpo.rollout.toolcall import (
     ToolCall,
     ToolCallError,
@@ -62,7 +63,7 @@ from treegrpo.rollout.toolcall import (
     assistant_turn_text,
     end_of_turn_tokens,
     parse_tool_calls,
-    tool_turn_text,
+    tool_turn_parts,
 )
 
 Protocol = Literal["tags", "tools"]
@@ -90,18 +91,17 @@ def tool_response(content: str) -> str:
 
 def parse_call(payload: str) -> tuple[str, Any] | str:
     """``(name, arguments)`` of a ``{"name": …, "arguments": {…}}`` call (``parameters`` accepted for
-    ``arguments``, Llama's spelling), or why it is not one (a sentence for the model)."""
-    try:
-        call = json.loads(payload)
-    except json.JSONDecodeError as e:
-        return f"the tool call is not valid JSON ({e.msg} at character {e.pos})"
+    ``arguments``, Llama's spelling), or why it is not one (a sentence for the model). Never raises:
+    decoded by :func:`~treegrpo.rollout.tool_parsers.safe_json` (depth, length and integer limits)."""
+    call, why = safe_json(payload)
+    if why is not None:
+        return f"the tool call is not valid JSON ({why})"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return 'a tool call must be a JSON object with a "name" and "arguments"'
     args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string (OpenAI's wire form)
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+        args, why = safe_json(args)
+        if why is not None:
             return f"the arguments of {call['name']} are not a JSON object"
     return call["name"], args
 
@@ -442,19 +442,22 @@ class ToolEnv:
             info["tool"] = calls[0][0]
         if result.error:
             info["tool_error"] = result.error
+        obs = tool_response(result.content)  # the result is plain text between the tags (DESIGN §3.10)
+        parts = (("\n<tool_response>\n", True), (result.content, False), ("\n</tool_response>\n", True))
         return StepOutcome(
             "invalid" if result.error else "tool",
             False,
-            observation=tool_response(result.content),
+            observation=obs,
             tool_calls=int(result.ran),
             info=info,
+            observation_parts=parts,
         )
 
     def _plan_native(self, text: str, allowed: bool, state: Any) -> StepOutcome | tuple[list[Any], Callable[[Job], StepOutcome]]:
         """One assistant turn in the model's own protocol (module docstring): its outcome when it
         calls no tool, else its calls and how to finish it."""
         tok = self.tokenizer
-        content, parsed = parse_tool_calls(text, tok)
+        content, parsed = parse_tool_calls(text, tok, schemas=self.tool_schemas)
         calls = [c for c in parsed if isinstance(c, ToolCall)]
         if not any(text.rstrip().endswith(t) for t in end_of_turn_tokens(tok)):  # cut at max_step_tokens
             return StepOutcome("invalid", True, info={"cut": True, "messages": [{"role": "assistant", "content": content}]})
@@ -485,8 +488,11 @@ class ToolEnv:
             info["tool"] = calls[0].name
         if errors:
             info["tool_error"] = "; ".join(errors)
-        obs = tool_turn_text(tok, results, self.tool_schemas)
-        return StepOutcome("invalid" if errors else "tool", False, observation=obs, tool_calls=ran, info=info)
+        parts = tool_turn_parts(tok, results, self.tool_schemas)
+        obs = "".join(t for t, _ in parts)
+        return StepOutcome(
+            "invalid" if errors else "tool", False, observation=obs, tool_calls=ran, info=info, observation_parts=parts
+        )
 
     def _fit(self, content: str) -> str:
         """A tool result cut to ``max_result_tokens`` (marked with `` …``)."""

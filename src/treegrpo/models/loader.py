@@ -34,6 +34,24 @@ hf_logging.disable_progress_bar()
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 MARKER_FILE = "treegrpo_tiny.json"
+#: The tokenizer attribute holding the model's ``generation_config.eos_token_id`` as a list of ids
+#: (Llama 3's ``<|end_of_text|>`` and ``<|eot_id|>``, Qwen's ``<|endoftext|>`` and ``<|im_end|>``):
+#: every one of them ends a turn (:func:`treegrpo.rollout.toolcall.end_of_turn_ids`).
+GENERATION_EOS_ATTR = "generation_eos_token_ids"
+
+
+def generation_eos_ids(source: Any) -> list[int]:
+    """The ``eos_token_id`` ids of a model folder's ``generation_config.json`` or of a model's
+    ``generation_config`` (an int or a list), ``[]`` when there is none or it is unreadable."""
+    if isinstance(source, Path):
+        try:
+            eos = json.loads((source / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            return []
+    else:
+        eos = getattr(getattr(source, "generation_config", None), "eos_token_id", None)
+    items = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)]
 
 
 @dataclass
@@ -113,6 +131,7 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    setattr(tok, GENERATION_EOS_ATTR, generation_eos_ids(folder))
     return tok
 
 
@@ -153,6 +172,8 @@ def loaded_objects(model: torch.nn.Module, tokenizer: Any, device: str | torch.d
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, GENERATION_EOS_ATTR, None):
+        setattr(tokenizer, GENERATION_EOS_ATTR, generation_eos_ids(model))
     folder = Path(getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "") or ".")
     return LoadedModel(folder, model.to(device), tokenizer, tiny_info(folder) if folder.is_dir() else {})
 
@@ -164,10 +185,12 @@ def _first_line(err: BaseException) -> str:
 
 __all__ = [
     "EOS",
+    "GENERATION_EOS_ATTR",
     "MARKER_FILE",
     "PAD",
     "LoadedModel",
     "ModelLoadError",
+    "generation_eos_ids",
     "load_model",
     "load_pretrained",
     "load_tokenizer",

@@ -31,13 +31,13 @@ import torch
 
 from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env
 from treegrpo.errors import ConfigError
-from treegrpo.rollout.chat import ObsFormat, observation_turn
+from treegrpo.rollout.chat import ObsFormat, encode_observation, observation_turn
 from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams, takes_seeds
 from treegrpo.rollout.loop import Loop
 from treegrpo.rollout.pipeline import run_pipelined
 from treegrpo.rollout.state import StateKeeper, bind_world, open_world
 from treegrpo.rollout.streams import base_seed
-from treegrpo.rollout.templates import check_tool_template, rerender_note
+from treegrpo.rollout.templates import prepare_tool_template
 from treegrpo.rollout.toolcall import end_of_turn_ids
 from treegrpo.tree import Forest, Node, Tree
 
@@ -65,6 +65,10 @@ class AgentConfig:
             rollout seed, the trajectory's place in its tree and its turn (:mod:`.streams`), so
             a forest does not depend on tool timing or on which requests share an engine call.
             Off: one sampling stream for the whole batch (the default; the same forests as ever).
+        plain_observations: tool results and other observation text are tokenized as plain text
+            (a result that spells ``<|im_end|>`` stays characters; only the template's own turn
+            markers are control tokens: :func:`~treegrpo.rollout.chat.encode_observation`);
+            ``False``: special tokens are parsed in the whole observation (TRL's and vLLM's way).
     """
 
     max_turns: int = 4
@@ -75,6 +79,7 @@ class AgentConfig:
     top_p: float = 1.0
     use_chat_template: bool = True
     obs_format: ObsFormat = "inline"
+    plain_observations: bool = True
     rollout_pipeline: bool = False
     trajectory_streams: bool = False
 
@@ -254,8 +259,8 @@ class StepRunner:
         if self.chat_tools is not None:
             if not (self.cfg.use_chat_template and getattr(self.tokenizer, "chat_template", None)):
                 raise ConfigError("protocol tools needs the model's chat template: this tokenizer has none (--chat-template NAME|FILE)")
-            check_tool_template(self.tokenizer, self.chat_tools)
-            self.template_note = rerender_note(self.tokenizer, self.chat_tools)
+            notes = prepare_tool_template(self.tokenizer, self.chat_tools)  # TRL's training variant where needed
+            self.template_note = "; ".join(notes) or None
         if self.turns_end_at_eos:  # every end-of-turn token ends a step (<|im_end|>, <|eot_id|>, <|eom_id|>)
             stop_ids = sorted(set(stop_ids) | end_of_turn_ids(self.tokenizer))
         self.params = SamplingParams(
@@ -304,33 +309,39 @@ class StepRunner:
         return Forest(task.id, trees, extra)
 
     # -- observations ----------------------------------------------------------------------------
-    def observation_ids(self, observation: str) -> tuple[str, list[int]]:
+    def observation_ids(self, observation: str, parts: Any = None) -> tuple[str, list[int]]:
         """The observation as kept (text, ids), tokenized once: at most ``max_obs_tokens`` ids. An
         env with ``fit_observation`` (the search env) shortens a long one keeping its structure
         (closed tags, whole passages); otherwise, or when that still does not fit, the ids are cut.
         In ``chat`` format the kept text is then wrapped in its own turn (the wrapper's ids come on
-        top of ``max_obs_tokens``)."""
+        top of ``max_obs_tokens``). ``parts``: the observation's ``(text, control)`` pieces
+        (``StepOutcome.observation_parts``; ``None``: all plain text), tokenized by
+        :func:`~treegrpo.rollout.chat.encode_observation`. In the native protocol an observation
+        without parts (a demonstration's) is the template's text: its special tokens are parsed."""
         if self.turns_end_at_eos:  # the native protocol: the env rendered the tool turn (results cut) itself
-            return observation, list(self.tokenizer.encode(observation, add_special_tokens=False))
+            return observation, self._encode(observation, ((observation, True),) if parts is None else parts)
         before, after = self.obs_turn
         chat = self.cfg.obs_format == "chat"
-        text, ids = self._fit_observation(observation.strip() if chat else observation)
+        text, ids = self._fit_observation(observation.strip() if chat else observation, None if chat else parts)
         if chat:  # its own message: without the inline format's surrounding blank lines
             enc = self.tokenizer.encode
             ids = enc(before, add_special_tokens=False) + ids + enc(after, add_special_tokens=False)
             text = before + text + after
         return text, list(ids)
 
-    def _fit_observation(self, observation: str) -> tuple[str, list[int]]:
-        ids = list(self.tokenizer.encode(observation, add_special_tokens=False))
+    def _encode(self, text: str, parts: Any = None) -> list[int]:
+        return encode_observation(self.tokenizer, text, parts, plain=self.cfg.plain_observations)
+
+    def _fit_observation(self, observation: str, parts: Any = None) -> tuple[str, list[int]]:
+        ids = self._encode(observation, parts)
         cap = self.cfg.max_obs_tokens
         if len(ids) <= cap:
             return observation, ids
         fit = getattr(self.env, "fit_observation", None)
         if fit is not None:
-            text = fit(observation, lambda t: len(self.tokenizer.encode(t, add_special_tokens=False)), cap)
+            text = fit(observation, lambda t: len(self._encode(t)), cap)
             if text is not None:
-                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                ids = self._encode(text)
                 if len(ids) <= cap:
                     return text, ids
         ids = ids[:cap]

@@ -46,17 +46,26 @@ def appended_text(
     last of them in the rendered history — the generated ids stop at that token, included (the
     native tool protocol, :func:`treegrpo.rollout.toolcall.tool_turn_text`); without it, the
     assistant turn is left open (``continue_final_message``) and the text returned closes it (the
-    ``chat`` observation format, :func:`observation_turn`). ``None`` when the template does not
-    render ``history`` as a prefix of the longer conversation (or ``close`` is not in it)."""
+    ``chat`` observation format, :func:`observation_turn`). Where the rendered history has no
+    end-of-turn token after the assistant turn and the longer rendering continues with one (GLM
+    writes ``<|observation|>`` as the tool turn's opening), the model generates that token: the text
+    returned begins after it. ``None`` when the template does not render ``history`` as a prefix of
+    the longer conversation (or ``close`` is not in it)."""
     kw: dict[str, Any] = {"tools": tools} if tools else {}
     if close is None:
         head = tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=False, **kw)
     else:
         head = tokenizer.apply_chat_template(history, tokenize=False, **kw)
+        full = tokenizer.apply_chat_template([*history, *added], add_generation_prompt=True, tokenize=False, **kw)
+        rest = full[len(head) :] if full.startswith(head) else ""
+        opens = next((t for t in close if t and rest.startswith(t)), None)
+        if opens is not None and not any(t and head.rstrip().endswith(t) for t in close):
+            return rest[len(opens) :]  # the turn's end token opens the next turn (GLM's <|observation|>)
         cut = max((head.rfind(t) + len(t) for t in close if t and t in head), default=-1)
         if cut < 0:
             return None
         head = head[:cut]
+        return full[len(head) :] if full.startswith(head) else None
     full = tokenizer.apply_chat_template([*history, *added], add_generation_prompt=True, tokenize=False, **kw)
     return full[len(head) :] if full.startswith(head) else None
 
@@ -77,3 +86,35 @@ def observation_turn(tokenizer: Any) -> tuple[str, str]:
         )
     before, _, after = text.partition(_MARK)
     return before, after
+
+
+def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's control tokens as text: its added tokens marked special (``<|im_end|>``,
+    ``<|eot_id|>`` …), longest first."""
+    dec = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {t.content for t in dec.values() if getattr(t, "special", False) and t.content}
+    return tuple(sorted(found, key=lambda s: (-len(s), s)))
+
+
+def encode_observation(tokenizer: Any, text: str, parts: Any = None, *, plain: bool = True) -> list[int]:
+    """The ids of an observation (DESIGN §3.10). ``parts``: its ``(text, control)`` pieces
+    (:attr:`~treegrpo.envs.base.StepOutcome.observation_parts`; ``None``: the whole of ``text`` is
+    plain). Control pieces (template turn markers) are tokenized with special tokens; plain pieces
+    (tool results, retrieved text) as plain text, so ``<|im_end|>`` written in a result is the
+    characters, never the control token. ``plain=False``: the whole text with special tokens parsed
+    (transformers', TRL's and vLLM's chat path: a result can forge a turn).
+
+    Where no plain piece holds a control token's text (:func:`special_token_strings`) the ids are
+    exactly ``tokenizer.encode(text)``'s (one tokenization of the whole, as before)."""
+    pieces = ((text, False),) if parts is None else tuple(parts)
+    whole = "".join(t for t, _ in pieces)
+    specials = special_token_strings(tokenizer) if plain else ()
+    if not any(s in t for t, control in pieces if not control for s in specials):
+        return list(tokenizer.encode(whole, add_special_tokens=False))
+    ids: list[int] = []
+    for t, control in pieces:
+        if control:
+            ids += tokenizer.encode(t, add_special_tokens=False)
+        else:
+            ids += tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids

@@ -141,7 +141,7 @@ class Loop:
         done, reward, info = out.done, out.reward, dict(out.info)
         ended = not done and g.finish_reason == "eos" and not runner.turns_end_at_eos
         if not done and not ended:
-            obs_text, obs_ids = runner.observation_ids(out.observation or "")
+            obs_text, obs_ids = runner.observation_ids(out.observation or "", out.observation_parts)
             room = len(c.context) + len(g.tokens) + len(obs_ids) + cfg.max_step_tokens
             ended = room > cfg.max_context_tokens  # no room for another step: end here
         if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room

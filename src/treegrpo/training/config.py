@@ -156,6 +156,10 @@ class TrainConfig(BaseModel):
         "inline",
         description="How observations enter a chat model's context: inline (in the assistant turn, Search-R1's way) | chat (a new user turn through the chat template). A warm-up folder's setting is used unless this is set.",
     )
+    plain_observations: bool = Field(
+        True,
+        description="Tool results and other observation text are tokenized as plain text, so a result that spells <|im_end|><|im_start|> cannot forge a turn; only the chat template's own turn markers are control tokens. false: special tokens are parsed in the whole observation (TRL's and vLLM's chat path).",
+    )
     temperature: float = Field(1.0, ge=0.0, description="Rollout sampling temperature.")
     engine: str = Field("hf", description="Rollout engine: hf (transformers, CPU/GPU) | vllm (needs vllm installed).")
     engine_options: dict[str, Any] = Field(

@@ -74,6 +74,7 @@ def agent_config(
     return AgentConfig(
         **limits, temperature=cfg.temperature, top_p=cfg.top_p, obs_format=obs_format,
         rollout_pipeline=cfg.rollout_pipeline, trajectory_streams=cfg.trajectory_streams,
+        plain_observations=cfg.plain_observations,
     )  # fmt: skip
 
 

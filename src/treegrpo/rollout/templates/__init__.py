@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.errors import ConfigError
-from treegrpo.rollout.toolcall import end_of_turn_tokens
+from treegrpo.rollout.templates.loop import PROBE_DATE, agent_conversation, loop_mismatch, loop_pieces, render
+from treegrpo.rollout.templates.training import use_training_template
+from treegrpo.rollout.tool_parsers import PARSERS, ToolCall
+from treegrpo.rollout.toolcall import parse_tool_calls, tool_call_format, tool_turn_text
 
 BUILTIN_TEMPLATES: tuple[str, ...] = ("chatml-tools", "qwen2.5", "llama3.1")
 
@@ -69,7 +72,7 @@ RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
 }
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 _FIX = "use --chat-template chatml-tools or a template that supports tools"
-_PROBE_DATE = {"date_string": "26 Jul 2024"}  # templates with a date header: the same date each render
+_PROBE_DATE = PROBE_DATE
 
 
 def load_chat_template(spec: str) -> str:
@@ -123,15 +126,17 @@ def _schema_name(schema: dict[str, Any]) -> str | None:
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], schemas: list[dict[str, Any]], gen: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=schemas or None, add_generation_prompt=gen, tokenize=False, **_PROBE_DATE
-    )
+    return render(tokenizer, messages, schemas, gen)
 
 
 def check_tool_template(tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
-    """Raise a one-line :class:`ConfigError` when the tokenizer's chat template cannot render a tool
-    conversation: the schemas absent from the rendered prompt, assistant ``tool_calls`` dropped, or
-    no way to render a tool result (as TRL's ``supports_tool_calling`` checks, plus the schemas)."""
+    """Raise a one-line :class:`ConfigError` wherever a tool run would fail later: no chat
+    template; the schemas absent from the rendered prompt; assistant ``tool_calls`` dropped; no
+    tool result rendered (TRL's ``supports_tool_calling``, plus the schemas); the results of a turn
+    not appendable turn by turn (:func:`~treegrpo.rollout.toolcall.tool_turn_text`: the template
+    re-renders a turn once its results follow, as Qwen3's own does); no assistant turn the template
+    renders after its own generation prompt; or no parser that reads back the calls the template
+    writes (:mod:`treegrpo.rollout.tool_parsers`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"the tokenizer has no chat template; {_FIX}")
     name, key, value, result = "probe_tool_3f9a", "probe_key_7c21", "probe_value_b804", "probe_result_51d6"
@@ -153,71 +158,70 @@ def check_tool_template(tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
         raise ConfigError(f"the chat template drops an assistant message's tool_calls; {_FIX}")
     if result not in answered:
         raise ConfigError(f"the chat template renders no tool result (role tool); {_FIX}")
+    tool_turn_text(tokenizer, [{"role": "tool", "name": name, "content": result}], schemas)  # raises its one line
+    _check_parser(tokenizer, schemas)
 
 
-def _probe(schemas: list[dict[str, Any]], calls: int = 2) -> list[dict[str, Any]]:
-    """A conversation as a thinking tool agent generates it: ``calls`` calls, their results, an
-    answer, a follow-up question and its answer."""
-    name = next((n for n in map(_schema_name, schemas) if n), "add")
-
-    def call(a: int, b: int) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}
-
-    sums = [(2, 3), (4, 5)][:calls]
-    return [
-        {"role": "user", "content": "What are 2+3 and 4+5?"},
-        {"role": "assistant", "content": "<think>\nSums.\n</think>\n\nLet me add.", "tool_calls": [call(*s) for s in sums]},
-        *({"role": "tool", "name": name, "content": str(a + b)} for a, b in sums),
-        {"role": "assistant", "content": "<think>\nKnown.\n</think>\n\n5 and 9."},
-        {"role": "user", "content": "And 1+1?"},
-        {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n2."},
-    ]  # fmt: skip
-
-
-def _turn_by_turn(tokenizer: Any, messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """What the loop holds at each point of ``messages``, rendered: each assistant turn's prompt (up
-    to its generation prompt) and the history after it (up to its last end-of-turn token)."""
-    ends, steps = end_of_turn_tokens(tokenizer), []
-    for k, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            n = len(steps) // 2 + 1
-            steps.append((f"the prompt of assistant turn {n}", _render(tokenizer, messages[:k], schemas, True)))
-            closed = _render(tokenizer, messages[: k + 1], schemas, False)
-            cut = max((closed.rfind(t) + len(t) for t in ends if t in closed), default=len(closed))
-            steps.append((f"assistant turn {n}", closed[:cut]))
-    return steps
+def _check_parser(tokenizer: Any, schemas: list[dict[str, Any]]) -> None:
+    """A call the template writes after its generation prompt must parse back (name, arguments)."""
+    tool = next((n for n in map(_schema_name, schemas) if n), "add")
+    fmt = tool_call_format(tokenizer)
+    pieces: Any = None
+    for thinking in (False, True):
+        conv = agent_conversation(tool, thinking=thinking, first_calls=1)
+        try:
+            pieces = loop_pieces(tokenizer, conv[:3], schemas)
+        except ConfigError:
+            raise
+        except Exception as e:  # a template that refuses the shape: try the other
+            pieces = f"{type(e).__name__}: {e}"
+        if not isinstance(pieces, str):
+            break
+    if isinstance(pieces, str):
+        raise ConfigError(f"the chat template cannot write an assistant turn after its own generation prompt ({pieces}); {_FIX}")
+    turn = pieces[1][1]
+    _, calls = parse_tool_calls(turn, tokenizer, schemas=schemas)
+    want = [(tool, {"a": 21, "b": 34})]
+    if [(c.name, c.arguments) for c in calls if isinstance(c, ToolCall)] != want or len(calls) != 1:
+        raise ConfigError(
+            f"no tool-call parser reads the calls this chat template writes (parser {fmt or 'none detected'} read "
+            f"{calls!r:.120} from {turn[-120:]!r}); parsers: {', '.join(PARSERS)}; {_FIX}"
+        )
 
 
 def rerender_note(tokenizer: Any, schemas: list[dict[str, Any]]) -> str | None:
     """One line when the template's rendering of a conversation is not what the loop holds — the
     loop never re-renders: prompt ids + generated ids + each appended turn's ids — else ``None``.
 
-    Fires when rendering a probe conversation (:func:`_probe`) turn by turn (each prompt up to its
-    generation prompt, each history up to its last end-of-turn token) does not give prefixes of
-    rendering it whole (the template re-renders earlier turns, e.g. Qwen3 drops earlier thinking);
-    when the pieces, tokenized one by one as the loop does, differ from the whole tokenized at once
-    (the tokenizer merges text across a turn boundary); when the template refuses several calls in
-    one turn (Meta's Llama 3.1); or when it writes today's date (``strftime_now``, as Llama 3.2+'s
-    header does), so the same conversation renders differently on another day."""
+    Fires when the loop's pieces of an agent conversation (:func:`.loop.loop_mismatch`: two tool
+    rounds, two calls in the first, with and without thinking) differ from rendering it whole
+    (the template drops earlier thinking, say, as gpt-oss's drops analysis once a final answer
+    follows); when the pieces, tokenized one by one as the loop does, differ from the whole
+    tokenized at once (the tokenizer merges text across a turn boundary); when the template
+    refuses several calls in one turn (Meta's Llama 3.1); or when it writes today's date
+    (``strftime_now``, as Llama 3.2+'s header does), so the same conversation renders differently
+    on another day."""
     reasons = []
+    tool = next((n for n in map(_schema_name, schemas) if n), "add")
     try:
-        steps = _turn_by_turn(tokenizer, _probe(schemas), schemas)
-    except Exception as e:  # a template that rejects what the probe holds raises anything
-        try:
-            steps = _turn_by_turn(tokenizer, _probe(schemas, calls=1), schemas)
-        except Exception:
-            return f"chat template note: it cannot render a tool conversation ({type(e).__name__}: {e})"
+        _render(tokenizer, agent_conversation(tool, thinking=False), schemas, False)
+    except Exception as e:  # a template that refuses two calls in one turn raises anything
         reasons.append(f"it refuses several tool calls in one turn ({type(e).__name__}: {e})")
-    bad = next((i for i in range(1, len(steps)) if not steps[i][1].startswith(steps[i - 1][1])), None)
-    if bad is not None:
-        reasons.append(f"it re-renders earlier turns ({steps[bad][0]} does not begin with {steps[bad - 1][0]} as rendered before)")
+    why = loop_mismatch(tokenizer, schemas)
+    if why is not None:
+        reasons.append(f"it re-renders earlier turns ({why})")
     else:
-        ids, prev = [], ""
-        for _, text in steps:
-            ids += tokenizer.encode(text[len(prev) :], add_special_tokens=False)
-            prev = text
-        if ids != tokenizer.encode(prev, add_special_tokens=False):
-            reasons.append("the tokenizer splits the text at a turn boundary differently from the whole conversation")
+        for thinking in (False, True):
+            try:
+                pieces = loop_pieces(tokenizer, agent_conversation(tool, thinking=thinking, first_calls=1), schemas)
+            except Exception:  # a shape the template refuses: loop_mismatch judged it
+                continue
+            if isinstance(pieces, str):
+                continue
+            ids = [i for _, t in pieces for i in tokenizer.encode(t, add_special_tokens=False)]
+            if ids != tokenizer.encode("".join(t for _, t in pieces), add_special_tokens=False):
+                reasons.append("the tokenizer splits the text at a turn boundary differently from the whole conversation")
+                break
     if "strftime_now" in str(tokenizer.chat_template or ""):
         reasons.append("it writes today's date (strftime_now), so the conversation renders differently on another day")
     if not reasons:
@@ -227,3 +231,14 @@ def rerender_note(tokenizer: Any, schemas: list[dict[str, Any]]) -> str | None:
         "trained on are the prompt's, the generated and the appended turns' ids), so they can differ from the "
         "template's rendering of the whole conversation"
     )
+
+
+def prepare_tool_template(tokenizer: Any, schemas: list[dict[str, Any]]) -> list[str]:
+    """Start-up for a tool run in the model's own protocol: TRL's training variant swapped in where
+    the template needs it (:func:`.training.use_training_template`), the template checked
+    (:func:`check_tool_template`: raises one line), and the notes to print (the swap,
+    :func:`rerender_note`)."""
+    notes = [use_training_template(tokenizer, schemas)]
+    check_tool_template(tokenizer, schemas)
+    notes.append(rerender_note(tokenizer, schemas))
+    return [n for n in notes if n]
