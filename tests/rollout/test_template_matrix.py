@@ -85,7 +85,7 @@ MATRIX: dict[str, tuple[str, str, str, str, str]] = {
     "lfm2_2_5_v2": ("yes", "yes", "pythonic", "yes", "keep"),
     "lfm2_2_5_vl": ("yes", "yes", "pythonic", "yes", "keep"),
     "deepseekv3": ("refused at start-up", "-", "deepseek_v3", "-", "-"),
-    "lfm2": ("refused at start-up", "-", "pythonic", "-", "-"),
+    "lfm2": ("refused at start-up", "-", "-", "-", "-"),
     "gemma4": ("refused at start-up", "-", "-", "-", "-"),
     "gemma4_v2": ("refused at start-up", "-", "-", "-", "-"),
     "gemma4_v3": ("refused at start-up", "-", "-", "-", "-"),

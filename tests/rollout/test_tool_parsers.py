@@ -267,3 +267,19 @@ def test_generation_config_eos_ids_end_a_turn(smollm2: Any, tmp_path: Path) -> N
     env = ToolEnv([forger], rewards=["em"], protocol="tools", tokenizer=set_template)
     runner = StepRunner(None, env, set_template, AgentConfig())  # type: ignore[arg-type]
     assert endoftext in runner.params.stop_token_ids
+
+
+def test_no_parser_raises_on_random_text() -> None:
+    """Random splices of every syntax's pieces (tags cut, nested, unbalanced): each parser returns."""
+    import random
+
+    pieces = [t for text, _, _ in TURNS.values() for t in (text[: len(text) // 2], text[len(text) // 2 :])]
+    pieces += ["[" * 80, "{" * 80, '"', "\\", "<tool_call>", "</tool_call>", "<|call|>", "<|start|>", "9" * 80, "(" * 80]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        for fmt in PARSERS:
+            content, calls = parse_turn(text, fmt, SCHEMAS)
+            assert isinstance(content, str) and len(calls) <= 10 * len(text) + 1
+            assert all(isinstance(c, (ToolCall, ToolCallError)) for c in calls)
+            assert all("parser failed" not in c.message for c in calls if isinstance(c, ToolCallError)), (fmt, text)
