@@ -138,6 +138,7 @@ class Job:
     fatal: str | None = None
     finished: bool = field(default=False, repr=False)
     taken: bool = field(default=False, repr=False)
+    outbox: queue.SimpleQueue[Job] | None = field(default=None, repr=False)  # its batch's queue (:class:`Batch`)
 
 
 @dataclass
@@ -354,6 +355,8 @@ class ToolRunner:
         """Start ``jobs`` (added to ``batch`` when given); :meth:`wait` yields them as they finish."""
         batch = batch if batch is not None else Batch()
         batch.left += len(jobs)
+        for j in jobs:
+            j.outbox = batch.done
         pooled = [j for j in jobs if j.lane is None]
         with self._lock:
             self._workers = {t for t in self._workers if t.is_alive() and t not in self._retired}
@@ -378,7 +381,7 @@ class ToolRunner:
             try:
                 job = batch.done.get(timeout=self._wait())
             except queue.Empty:
-                self._abandon_overdue(batch.done)
+                self._abandon_overdue()
                 continue
             batch.left -= 1
             if job.fatal:
@@ -408,7 +411,8 @@ class ToolRunner:
             return 0.5 if self.timeout_s is not None else None
         return max(0.0, min(deadlines) + GRACE_S - time.perf_counter())
 
-    def _abandon_overdue(self, done: queue.SimpleQueue[Job]) -> None:
+    def _abandon_overdue(self) -> None:
+        """Abandon every call past its time-out (of any batch: each job goes back to its own)."""
         now = time.perf_counter()
         with self._lock:
             overdue = [r for r in self._running.values() if r.deadline is not None and not r.done and now >= r.deadline + GRACE_S]
@@ -420,6 +424,8 @@ class ToolRunner:
                     r.job.taken = True  # and the monitor, not that thread, finishes the job
         for r in overdue:
             job = r.job
+            done = job.outbox
+            assert done is not None
             self.stats.end(abandoned=True)
             self._slots.release()
             job.results.append(timed_out(r.name, self.timeout_s))
