@@ -195,3 +195,47 @@ def test_tool_concurrency_reaches_the_env_from_the_config() -> None:
     assert user_env(TrainConfig(), UserObjects(tools=[wait]))._runner.concurrency == 32  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="tool_concurrency=0: give 1"):
         ToolEnv([wait], tool_concurrency=0)
+
+
+def nap(s: float) -> str:
+    """Busy for ``s`` seconds.
+
+    Args:
+        s: seconds
+    """
+    end = time.perf_counter() + s
+    while time.perf_counter() < end:
+        pass
+    return "ok"
+
+
+def test_random_latencies_and_time_outs_on_pool_and_lanes_finish_every_job() -> None:
+    """A race test: calls of random length around the time-out, on the pool and on four lanes, in
+    jobs of one to three calls: every job comes back, with one result per call, each a result or a
+    time-out or (after its lane died) a lost state. (An abandoned thread that finished its job's
+    bookkeeping once lost a job, and the batch waited forever.)"""
+    from treegrpo.envs.tool_runner import Lane
+
+    rng = random.Random(0)
+    runner = ToolRunner(6, timeout_s=0.04, max_abandoned=10_000)
+    tool = Tool.of(nap)
+    box: dict[str, object] = {}
+
+    def rounds() -> None:
+        for _ in range(3):
+            lanes = [Lane() for _ in range(4)]
+            jobs = [Job(i, [(tool, {"s": rng.random() * 0.06}) for _ in range(rng.randrange(1, 4))],
+                        rng.choice([*lanes, None, None, None, None])) for i in range(40)]  # fmt: skip
+            got = list(runner.run(jobs))
+            assert sorted(j.index for j in got) == list(range(40))
+            assert all(len(j.results) == len(j.calls) == len(j.latency_s) for j in got)
+            assert {r.content.split(":")[0] for j in got for r in j.results} <= {"ok", "Error"}
+            for lane in lanes:
+                lane.stop()
+        box["done"] = True
+
+    t = threading.Thread(target=rounds, daemon=True)
+    t.start()
+    t.join(60)
+    assert box.get("done"), "a batch never finished"
+    runner.close()

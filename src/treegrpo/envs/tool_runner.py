@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import inspect
-import json
 import queue
 import threading
 import time
@@ -30,63 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treegrpo import aio
+from treegrpo.envs.tool_result import ToolResult, cut_result, failure, refused, result_text, timed_out
 from treegrpo.errors import ConfigError
 
 #: Grace past a call's time-out before its thread is abandoned (an async call times out by itself).
 GRACE_S = 0.05
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """What one call returned: ``content`` (the text the model reads), ``error`` (set when the call
-    failed: the content then says why) and ``ran`` (the function was called: counted as a tool call
-    in the budget; a call refused before it ran — unknown tool, bad arguments — was not)."""
-
-    name: str
-    content: str
-    error: str | None = None
-    ran: bool = False
-
-
-
-def failure(name: str, error: BaseException) -> ToolResult:
-    """The result of a call that raised ``error`` (any ``BaseException``: ``SystemExit`` and
-    ``GeneratorExit`` too, so a tool cannot end the run): the model reads what was raised."""
-    why = f"{name} raised {type(error).__name__}: {error}"
-    return ToolResult(name, f"Error: {why}", error=why, ran=True)
-
-
-def timed_out(name: str, timeout_s: float | None) -> ToolResult:
-    """The result of a call abandoned after ``timeout_s``."""
-    why = f"{name} timed out after {timeout_s:g} s"
-    return ToolResult(name, f"Error: {why}.", error=why, ran=True)
-
-
-def refused(name: str, why: str) -> ToolResult:
-    """The result of a call refused before it ran (an unknown tool, arguments that do not fit)."""
-    return ToolResult(name, f"Error: {why}.", error=why)
-
-
-def cut_result(content: str, max_chars: int | None) -> str:
-    """``content`` cut to ``max_chars`` characters (marked with `` …``); as it is when it fits or
-    there is no limit. The character cut comes first, so a huge result is never tokenized whole."""
-    if max_chars is None or len(content) <= max_chars:
-        return content
-    return content[:max_chars] + " …"
-
-
-def result_text(value: Any) -> str:
-    """A tool's return value as the text the model reads: a string as it is, anything JSON can
-    write as JSON, anything else through ``str``."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
-        try:
-            return str(value)
-        except Exception as e:  # a value that cannot even be written: say so
-            return f"Error: the result ({type(value).__name__}) cannot be written as text: {e}"
+#: Seconds a pool thread waits for work before it exits.
+IDLE_S = 10.0
 
 
 class ToolAbandoned(BaseException):
@@ -98,11 +47,15 @@ class StateLost(RuntimeError):
 
 
 class Lane:
-    """One thread that runs what is submitted to it, in order (a tool-class instance's owner)."""
+    """One thread that runs what is submitted to it, in order (a tool-class instance's owner).
+
+    Once dead (its thread abandoned in a call) the thread touches nothing again: the work still
+    waiting is failed with :class:`StateLost` by whoever calls :meth:`kill`."""
 
     def __init__(self, name: str = "tool-lane") -> None:
         self._q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._waiting: set[concurrent.futures.Future[Any]] = set()
         self.dead = False
         self.refs = 0
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -114,29 +67,33 @@ class Lane:
                 item = self._q.get()
                 with self._lock:
                     if item is None or self.dead:
-                        if item is not None:
-                            item[1].set_exception(StateLost("its thread was abandoned"))
                         return
-                fn, fut = item
+                    fn, fut = item
+                    self._waiting.discard(fut)
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    fut.set_result(fn())
+                    value = fn()
                 except BaseException as e:  # handed to whoever waits on the future
                     if self.dead:
                         return
                     fut.set_exception(e)
-        except BaseException:
+                else:
+                    if self.dead:
+                        return
+                    fut.set_result(value)
+        except BaseException:  # an injected ToolAbandoned ends an abandoned lane quietly
             pass
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn()`` on this lane after what is queued; its future (:class:`StateLost` when dead)."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
-            if self.dead:
-                fut.set_exception(StateLost("its thread was abandoned"))
+            if not self.dead:
+                self._waiting.add(fut)
+                self._q.put((fn, fut))
                 return fut
-            self._q.put((fn, fut))
+        fut.set_exception(StateLost("its thread was abandoned"))
         return fut
 
     def call(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
@@ -150,17 +107,15 @@ class Lane:
             raise TimeoutError from None
 
     def kill(self) -> None:
-        """Mark the lane dead (its thread was abandoned): queued work fails with :class:`StateLost`."""
+        """Mark the lane dead (its thread was abandoned) and fail the work waiting on it with
+        :class:`StateLost` (here, on the caller's thread)."""
         with self._lock:
             self.dead = True
-            while True:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[1].set_exception(StateLost("its thread was abandoned"))
+            waiting, self._waiting = self._waiting, set()
             self._q.put(None)
+        for fut in waiting:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(StateLost("its thread was abandoned"))
 
     def stop(self) -> None:
         """End the thread once what is queued has run."""
@@ -182,6 +137,8 @@ class Job:
     lost: str | None = None
     fatal: str | None = None
     finished: bool = field(default=False, repr=False)
+    taken: bool = field(default=False, repr=False)
+    outbox: queue.SimpleQueue[Job] | None = field(default=None, repr=False)  # its batch's queue (:class:`Batch`)
 
 
 @dataclass
@@ -243,8 +200,12 @@ class ToolStats:
 
 
 def _inject(thread: threading.Thread) -> None:
-    if thread.is_alive() and thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolAbandoned))
+    """Raise :class:`ToolAbandoned` in ``thread`` — only while it is still the thread of its ident:
+    under threading's registry lock a thread cannot finish, so the ident is not yet reused by a new
+    one (an injection by a stale ident once killed a fresh pool thread)."""
+    with threading._active_limbo_lock:  # type: ignore[attr-defined]
+        if thread.ident is not None and threading._active.get(thread.ident) is thread:  # type: ignore[attr-defined]
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolAbandoned))
 
 
 class _Reaper:
@@ -306,7 +267,14 @@ class ToolRunner:
         me = threading.current_thread()
         try:
             while me not in self._retired:
-                item = self._pool.get()
+                try:
+                    item = self._pool.get(timeout=IDLE_S)
+                except queue.Empty:
+                    with self._lock:  # idle: leave, unless work arrived meanwhile (start() puts under the lock)
+                        if self._pool.empty():
+                            self._workers.discard(me)
+                            return
+                    continue
                 if item is None:
                     return
                 job, start, done = item
@@ -387,15 +355,17 @@ class ToolRunner:
         """Start ``jobs`` (added to ``batch`` when given); :meth:`wait` yields them as they finish."""
         batch = batch if batch is not None else Batch()
         batch.left += len(jobs)
+        for j in jobs:
+            j.outbox = batch.done
         pooled = [j for j in jobs if j.lane is None]
         with self._lock:
             self._workers = {t for t in self._workers if t.is_alive() and t not in self._retired}
             for _ in range(min(self.concurrency, len(pooled)) - len(self._workers)):
                 self._spawn()
-        for j in jobs:
-            if j.lane is None:
+            for j in pooled:
                 self._pool.put((j, 0, batch.done))
-            else:
+        for j in jobs:
+            if j.lane is not None:
                 fut = j.lane.submit(lambda j=j: self._run_job(j, 0))
                 fut.add_done_callback(lambda f, j=j: self._lane_done(f, j, batch.done))
         return batch
@@ -411,7 +381,7 @@ class ToolRunner:
             try:
                 job = batch.done.get(timeout=self._wait())
             except queue.Empty:
-                self._abandon_overdue(batch.done)
+                self._abandon_overdue()
                 continue
             batch.left -= 1
             if job.fatal:
@@ -419,8 +389,9 @@ class ToolRunner:
             yield job
 
     def _lane_done(self, fut: concurrent.futures.Future[Any], job: Job, done: queue.SimpleQueue[Job]) -> None:
-        if job.finished:
-            return
+        with self._lock:
+            if job.finished or job.taken:  # an abandoned thread never touches its job again
+                return
         if fut.exception() is not None or fut.result() is False:
             job.lost = job.lost or "its thread was abandoned after a call ran past its time-out"
             self._fill_lost(job)
@@ -440,15 +411,21 @@ class ToolRunner:
             return 0.5 if self.timeout_s is not None else None
         return max(0.0, min(deadlines) + GRACE_S - time.perf_counter())
 
-    def _abandon_overdue(self, done: queue.SimpleQueue[Job]) -> None:
+    def _abandon_overdue(self) -> None:
+        """Abandon every call past its time-out (of any batch: each job goes back to its own)."""
         now = time.perf_counter()
         with self._lock:
             overdue = [r for r in self._running.values() if r.deadline is not None and not r.done and now >= r.deadline + GRACE_S]
             for r in overdue:
                 r.done = True
                 self._running.pop(id(r), None)
+                if r.job.lane is not None and r.thread is r.job.lane.thread:
+                    r.job.lane.dead = True  # before its thread can see the call abandoned: it takes no more work
+                    r.job.taken = True  # and the monitor, not that thread, finishes the job
         for r in overdue:
             job = r.job
+            done = job.outbox
+            assert done is not None
             self.stats.end(abandoned=True)
             self._slots.release()
             job.results.append(timed_out(r.name, self.timeout_s))
@@ -460,11 +437,13 @@ class ToolRunner:
                 self._fill_lost(job)
                 self._finish(job, done)
             else:
-                self._retired.add(r.thread)
-                self._spawn()
-                if len(job.results) < len(job.calls):
-                    self._pool.put((job, len(job.results), done))
-                else:
+                with self._lock:
+                    self._retired.add(r.thread)
+                    self._workers.discard(r.thread)
+                    self._spawn()
+                    if len(job.results) < len(job.calls):
+                        self._pool.put((job, len(job.results), done))
+                if len(job.results) == len(job.calls):
                     self._finish(job, done)
         alive = REAPER.alive()
         if len(alive) > self.max_abandoned:
@@ -481,7 +460,4 @@ class ToolRunner:
         self._workers.clear()
 
 
-__all__ = [
-    "GRACE_S", "Batch", "Job", "Lane", "StateLost", "ToolAbandoned", "ToolResult", "ToolRunner", "ToolStats", "cut_result", "failure",
-    "refused", "result_text", "timed_out",
-]  # fmt: skip
+__all__ = ["GRACE_S", "IDLE_S", "Batch", "Job", "Lane", "StateLost", "ToolAbandoned", "ToolRunner", "ToolStats"]

@@ -23,16 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treegrpo.envs.tool_runner import (
-    Job,
-    ToolResult,
-    ToolRunner,
-    cut_result,
-    failure,
-    refused,
-    result_text,
-    timed_out,
-)
+from treegrpo.envs.tool_result import ToolResult, cut_result, failure, refused, result_text, timed_out
+from treegrpo.envs.tool_runner import Job, ToolRunner
 from treegrpo.errors import ConfigError
 
 #: Method names of a tool class that are its state contract, not tools.
