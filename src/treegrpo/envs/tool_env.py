@@ -44,18 +44,25 @@ reward, named after the class (TRL's convention).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from treegrpo.envs.base import StepOutcome, Task
 from treegrpo.envs.reward_fns import Message, RewardSet, given_prompt
+from treegrpo.envs.tag_protocol import (
+    _ACTION,
+    INVALID_TOOL_ACTION,
+    TOOL_PROMPTS,
+    TOOLS_PROMPT,
+    call_message,
+    parse_call,
+    tool_response,
+)
 from treegrpo.envs.tool_runner import Job, ToolRunner
 from treegrpo.envs.tool_state import ClassTools, ToolState, class_mode, probe_class
 from treegrpo.envs.tools import Tool, ToolResult, bound_tools, function_tools, refused, tool_method_names
 from treegrpo.errors import ConfigError
-from treegrpo.rollout.tool_parsers import safe_json
 from treegrpo.rollout.toolcall import (
     ToolCall,
     ToolCallError,
@@ -68,51 +75,6 @@ from treegrpo.rollout.toolcall import (
 
 Protocol = Literal["tags", "tools"]
 PROTOCOLS: tuple[str, ...] = ("tags", "tools")
-
-#: The tag protocol's default prompt: the question, then the tools and how to call them.
-TOOLS_PROMPT = (
-    "{question}\n\nYou can call these tools, one per step, as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}"
-    "</tool_call>; each result comes back inside <tool_response> and </tool_response>. Give the final answer "
-    "inside <answer> and </answer>.\nTools:\n{tools}\n"
-)
-MINIMAL_TOOLS_PROMPT = "Question: {question}\n"
-TOOL_PROMPTS = {"tools": TOOLS_PROMPT, "minimal": MINIMAL_TOOLS_PROMPT}
-INVALID_TOOL_ACTION = (
-    "\nMy previous action is invalid. To call a tool, I should write <tool_call>{\"name\": ..., \"arguments\": "
-    "{...}}</tool_call>. To give the final answer, I should write <answer> ... </answer>. Let me try again.\n"
-)
-_ACTION = re.compile(r"<(tool_call|answer)>(.*?)</\1>", re.DOTALL)
-
-
-def tool_response(content: str) -> str:
-    """The tag protocol's observation: a tool's result inline, in ``<tool_response>`` tags."""
-    return f"\n<tool_response>\n{content}\n</tool_response>\n"
-
-
-def parse_call(payload: str) -> tuple[str, Any] | str:
-    """``(name, arguments)`` of a ``{"name": …, "arguments": {…}}`` call (``parameters`` accepted for
-    ``arguments``, Llama's spelling), or why it is not one (a sentence for the model). Never raises:
-    decoded by :func:`~treegrpo.rollout.tool_parsers.safe_json` (depth, length and integer limits)."""
-    call, why = safe_json(payload)
-    if why is not None:
-        return f"the tool call is not valid JSON ({why})"
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'a tool call must be a JSON object with a "name" and "arguments"'
-    args = call.get("arguments", call.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string (OpenAI's wire form)
-        args, why = safe_json(args)
-        if why is not None:
-            return f"the arguments of {call['name']} are not a JSON object"
-    return call["name"], args
-
-
-def call_message(content: str, calls: Sequence[tuple[str, Any]]) -> Message:
-    """An assistant message with OpenAI-style ``tool_calls`` (for transcripts and rewards)."""
-    msg: Message = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
-    return msg
-
 
 @dataclass
 class ToolEnv:
