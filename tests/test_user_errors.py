@@ -171,3 +171,34 @@ def test_a_real_model_without_data_says_what_to_pass(tiny_model_dir: Path, tmp_p
     (d / "treegrpo_tiny.json").unlink()  # no longer a bootstrapped tiny agent: a "real" model
     line = _cli_error("train", "--model", str(d), "--out-dir", str(tmp_path / "r"), "--steps", "1")
     assert "--data" in line and "wiki-vital" in line
+
+
+# -- None settings (issue 42) ----------------------------------------------------------------------
+
+
+def test_none_setting_means_none_from_python_set_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tool_timeout_s=None`` (no limit) from Python keywords, ``--set tool_timeout_s=null`` and a
+    YAML null all record None; a flag not given keeps the default."""
+    import treegrpo.api as api
+    import treegrpo.training.run as run_mod
+
+    assert make_config(overrides={"tool_timeout_s": None}).tool_timeout_s is None
+    assert make_config(overrides=parse_set(["tool_timeout_s=null"])).tool_timeout_s is None
+    assert make_config(overrides={}).tool_timeout_s == 30.0
+    seen: list[object] = []
+
+    def capture(cfg: object, *a: object, **kw: object) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(run_mod, "run_training", capture)
+    res = CliRunner().invoke(app, ["train", "--set", "tool_timeout_s=null", "--out-dir", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert seen[-1].tool_timeout_s is None  # type: ignore[attr-defined]
+    res = CliRunner().invoke(app, ["train", "--out-dir", str(tmp_path / "d")])
+    assert res.exit_code == 0 and seen[-1].tool_timeout_s == 30.0  # type: ignore[attr-defined]
+    monkeypatch.setattr(api, "run_training", capture)
+    api.train(tool_timeout_s=None, out_dir=str(tmp_path / "p"))
+    assert seen[-1].tool_timeout_s is None and seen[-1].out_dir == str(tmp_path / "p")  # type: ignore[attr-defined]
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("tool_timeout_s: null\n")
+    assert load_config(yaml_file).tool_timeout_s is None

@@ -27,7 +27,7 @@ from treegrpo.imports import object_ref
 from treegrpo.io import atomic_write_text
 from treegrpo.models.loader import LoadedModel, loaded_objects
 from treegrpo.tasks.custom import UserObjects
-from treegrpo.training.config import TrainConfig, load_config, make_config
+from treegrpo.training.config import TrainConfig, given, load_config, make_config
 from treegrpo.training.run import run_training
 from treegrpo.training.trainer import TrainSummary
 
@@ -121,7 +121,8 @@ def _config(
     ref, loaded = _model(model, tokenizer, first.device)
     out = Path(first.out_dir)
     data = {"data": _data_ref(train_data, out, "train", "train_data"), "eval_data": _data_ref(eval_data, out, "eval", "eval_data")}
-    return make_config(base, {**overrides, **objects, "model": ref, **data}), loaded
+    ours = given({"model": ref, **data})  # what the call gave; a keyword the caller set to None stays None
+    return make_config(base, {**overrides, **objects, **ours}), loaded
 
 
 def train(

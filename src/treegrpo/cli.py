@@ -132,10 +132,10 @@ def train_cmd(
 
         raise typer.Exit(launch(nproc))
 
-    from treegrpo.training.config import ConfigError, load_config, parse_set
+    from treegrpo.training.config import ConfigError, given, load_config, parse_set
 
     console = Console(soft_wrap=True)
-    overrides = {
+    overrides = given({
         "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
         "preset": preset, "sampler": sampler, "engine": engine, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
@@ -143,7 +143,7 @@ def train_cmd(
         "resume_override": resume_override,
         "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
         "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
-    }  # fmt: skip
+    })  # fmt: skip  (a flag not given is left out; --set key=null sets None)
     try:
         extra = parse_set(set_)
         cfg = load_config(config, {**overrides, **extra})
@@ -360,14 +360,14 @@ def warmup_cmd(
     protocol before RL; prints held-out success and well-formed rate before and after."""
     from rich.console import Console
 
-    from treegrpo.training.config import ConfigError, load_config, parse_set
+    from treegrpo.training.config import ConfigError, given, load_config, parse_set
     from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
     try:
-        fields = {
+        fields = given({
             "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
             "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
-        }  # fmt: skip
+        })  # fmt: skip
         cfg = load_config(None, {**fields, **parse_set(set_)})
         run = WarmupRun(out, demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_file)
         run_warmup(cfg, run, Console(soft_wrap=True))

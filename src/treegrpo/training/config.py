@@ -24,7 +24,7 @@ from pydantic import (
 
 from treegrpo.errors import ConfigError
 
-__all__ = ["ConfigError", "TrainConfig", "load_config", "make_config", "parse_set"]
+__all__ = ["ConfigError", "TrainConfig", "given", "load_config", "make_config", "parse_set"]
 
 
 class TrainConfig(BaseModel):
@@ -434,12 +434,19 @@ def _one_line(err: ValidationError) -> str:
 
 
 def make_config(base: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Validate ``base`` (e.g. from YAML) with ``overrides`` (from the CLI) on top."""
-    data = {**(base or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    """Validate ``base`` (e.g. from YAML) with ``overrides`` (from the CLI, ``--set`` or Python
+    keywords) on top. A ``None`` in either sets the field to None (``tool_timeout_s=None``: no
+    limit), as a YAML null does; a caller leaves out what was not given (:func:`given`)."""
+    data = {**(base or {}), **(overrides or {})}
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_one_line(e)) from None
+
+
+def given(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` without those that are None: the command-line flags a user did not give."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
