@@ -202,3 +202,33 @@ def test_none_setting_means_none_from_python_set_and_yaml(tmp_path: Path, monkey
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("tool_timeout_s: null\n")
     assert load_config(yaml_file).tool_timeout_s is None
+
+
+def test_home_paths_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``out_dir="~/x"`` (and every path setting) is the user's home, not a literal ``./~/x``."""
+    import treegrpo.api as api
+
+    home = tmp_path / "home"
+    (home / "q").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(overrides={"out_dir": "~/x", "model": "~/m", "data": "~/q/a.jsonl", "eval_data": "~/q/b.jsonl", "tools": ["m:f"]})
+    assert (cfg.out_dir, cfg.model, cfg.data, cfg.eval_data) == (
+        str(home / "x"), str(home / "m"), str(home / "q/a.jsonl"), str(home / "q/b.jsonl")
+    )
+    (home / "c.yaml").write_text("out_dir: ~/y\n")
+    assert load_config("~/c.yaml").out_dir == str(home / "y")
+    seen: list[object] = []
+    monkeypatch.setattr(api, "run_training", lambda cfg, *a, **kw: seen.append(cfg))
+    api.train(train_data=[{"question": "q?", "answer": "a"}], tools=[_a_tool], out_dir="~/run")
+    assert (home / "run" / "data" / "train.jsonl").is_file() and not (tmp_path / "~").exists()
+    assert seen[-1].data == str(home / "run" / "data" / "train.jsonl")  # type: ignore[attr-defined]
+
+
+def _a_tool(x: str) -> str:
+    """Echo.
+
+    Args:
+        x: the text
+    """
+    return x

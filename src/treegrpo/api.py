@@ -198,10 +198,10 @@ def warmup(
 
     user, objects = _objects(tools, environment_factory, env, reward_funcs)
     if isinstance(demos, str | Path):
-        demo_source: Path | list[dict[str, Any]] = Path(demos)
+        demo_source: Path | list[dict[str, Any]] = Path(demos).expanduser()
     else:
         demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
-    run = WarmupRun(Path(out), sft=sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size), demos_file=demo_source)
+    run = WarmupRun(Path(out).expanduser(), sft=sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size), demos_file=demo_source)
     with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
         cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})
         return run_warmup(cfg, run, console or Console(soft_wrap=True), user=user, loaded=loaded)

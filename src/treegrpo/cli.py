@@ -369,7 +369,10 @@ def warmup_cmd(
             "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
         })  # fmt: skip
         cfg = load_config(None, {**fields, **parse_set(set_)})
-        run = WarmupRun(out, demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_file)
+        demos_path = demos_file.expanduser() if demos_file is not None else None
+        run = WarmupRun(
+            out.expanduser(), demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_path
+        )
         run_warmup(cfg, run, Console(soft_wrap=True))
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)

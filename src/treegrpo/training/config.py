@@ -8,6 +8,7 @@ one line naming the field and the fix.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -278,6 +279,12 @@ class TrainConfig(BaseModel):
     )
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
 
+    @field_validator("model", "data", "eval_data", "corpus", "chat_template", "out_dir", mode="before")
+    @classmethod
+    def _home(cls, v: Any) -> Any:
+        # ``~/x`` is the user's home (a shell expands it, Python and a quoted --set do not)
+        return os.path.expanduser(v) if isinstance(v, str | Path) and str(v).startswith("~") else v
+
     @field_validator("packing", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
@@ -453,7 +460,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     """Read a YAML config (or none) and apply CLI overrides."""
     base: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = Path(path).expanduser()
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
