@@ -53,9 +53,10 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"a row value of type {type(value).__name__} is not JSON")
 
 
-def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str) -> str | None:
+def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str, resume: bool = False) -> str | None:
     """``data`` as what the config records: a path or built-in name as given, rows written to
-    ``out_dir/data/<name>.jsonl`` (atomically) and that path."""
+    ``out_dir/data/<name>.jsonl`` (atomically) and that path. A resume of a run that has
+    started keeps the file, and refuses rows other than its own (:class:`ConfigError`)."""
     if data is None or isinstance(data, str | Path):
         return None if data is None else str(data)
     rows = data.to_list() if hasattr(data, "to_list") else data  # a datasets.Dataset
@@ -66,8 +67,24 @@ def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str) -> str | No
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{arg}: every row must be a dict of JSON values ({e})") from None
     path = out_dir / "data" / f"{name}.jsonl"
+    if resume and path.is_file() and (out_dir / "metrics.jsonl").is_file():
+        _same_rows(path, text, arg)
+        return str(path)
     atomic_write_text(path, text)
     return str(path)
+
+
+def _same_rows(path: Path, text: str, arg: str) -> None:
+    """Refuse rows that are not the ones a resumed run recorded in ``path`` (one line: where they differ)."""
+    old = path.read_text(encoding="utf-8").splitlines()
+    new = text.splitlines()
+    if old == new:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    raise ConfigError(
+        f"{arg}: resume=True, but these are not the rows the run trained on ({path}: {len(old)} rows, given "
+        f"{len(new)}, row {k + 1} differs); pass the same rows to resume it, or another out_dir for a new run"
+    )
 
 
 def _objects(
@@ -119,8 +136,11 @@ def _config(
     base = _base(config)
     first = make_config(base, {**overrides, **objects})  # validates the fields before anything is written
     ref, loaded = _model(model, tokenizer, first.device)
-    out = Path(first.out_dir)
-    data = {"data": _data_ref(train_data, out, "train", "train_data"), "eval_data": _data_ref(eval_data, out, "eval", "eval_data")}
+    out, resume = Path(first.out_dir), first.resume
+    data = {
+        "data": _data_ref(train_data, out, "train", "train_data", resume),
+        "eval_data": _data_ref(eval_data, out, "eval", "eval_data", resume),
+    }
     ours = given({"model": ref, **data})  # what the call gave; a keyword the caller set to None stays None
     return make_config(base, {**overrides, **objects, **ours}), loaded
 

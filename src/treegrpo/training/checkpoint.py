@@ -52,6 +52,7 @@ CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checksums.json"
 STATE_FORMAT = 2  # 2: plain-data state (weights_only-safe) with checksums; 1 (no field): pickled RNG tuples
+USER_CODE = "user_code"  # the resume_override name accepting changed user modules (training/usercode.py)
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")  # written atomically, via temp files
 
 #: Fields a resume may change without ``resume_override``: none of them changes what is trained.
@@ -403,7 +404,7 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
     explicitly on top (and ``out_dir`` where the checkpoint was found), and what that changes as
     ``{field: (old, new)}``. A change outside ``RESUME_FREE_FIELDS`` must be named in
     ``cfg.resume_override``, else :class:`ConfigError`; ``steps`` may only grow."""
-    unknown = [f for f in cfg.resume_override if f not in TrainConfig.model_fields]
+    unknown = [f for f in cfg.resume_override if f not in TrainConfig.model_fields and f != USER_CODE]
     if unknown:
         raise ConfigError(f"resume_override: unknown config field(s) {', '.join(unknown)}")
     recorded_set = set(ck.config_set) & set(TrainConfig.model_fields)

@@ -339,12 +339,7 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"unknown reward {r!r}; choose em, sub_em, f1, format or package.module:function")
         return v
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tool_list(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
-
-    @field_validator("resume_override", "lora_target_modules", mode="before")
+    @field_validator("tools", "resume_override", "lora_target_modules", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v

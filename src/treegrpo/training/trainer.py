@@ -54,6 +54,7 @@ from treegrpo.training.report import (
 from treegrpo.training.schedule import lr_at, set_lr
 from treegrpo.training.setup import RunParts, build_run, recorded_agent_fields
 from treegrpo.training.update import update
+from treegrpo.training.usercode import check_and_record
 from treegrpo.tree import write_forests
 
 GIGPO_ESTIMATORS = ("gigpo", "tree_gigpo")
@@ -149,6 +150,8 @@ def train(
 
     # -- the pieces ------------------------------------------------------------------------------
     parts = parts or par.main_first(lambda: build_run(cfg, user=user, loaded=loaded))  # rank 0 bootstraps
+    if par.main:  # a resume refuses changed user modules (tools, env, rewards): training/usercode.py
+        check_and_record(out, cfg, resuming=resume_from is not None)
     limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
     cfg = recorded_agent_fields(cfg, parts.agent_cfg)  # config.json says what runs
