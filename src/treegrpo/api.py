@@ -27,6 +27,7 @@ from treegrpo.imports import object_ref
 from treegrpo.io import atomic_write_text
 from treegrpo.models.loader import LoadedModel, loaded_objects
 from treegrpo.tasks.custom import UserObjects
+from treegrpo.training.checkpoint import write_failure
 from treegrpo.training.config import TrainConfig, given, load_config, make_config
 from treegrpo.training.run import run_training
 from treegrpo.training.trainer import TrainSummary
@@ -70,7 +71,10 @@ def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str, resume: boo
     if resume and path.is_file() and (out_dir / "metrics.jsonl").is_file():
         _same_rows(path, text, arg)
         return str(path)
-    atomic_write_text(path, text)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:  # a read-only or full run folder
+        raise ConfigError(write_failure(f"{arg}: cannot write {path}", out_dir, e) + " (choose a writable out_dir)") from None
     return str(path)
 
 
@@ -182,13 +186,17 @@ def train(
         console: where the run prints (a rich Console).
 
     Raises:
-        ConfigError: any bad setting, file, tool or reward (one line naming it and the fix).
+        ConfigError: any bad setting, file, tool or reward (one line naming it and the fix), raised
+            from this call (no frames of the library below it, no chained exception).
     """
-    user, objects = _objects(tools, environment_factory, env, reward_funcs)
-    if reward_weights is not None:
-        overrides["reward_weights"] = list(reward_weights)
-    cfg, loaded = _config(model, tokenizer, train_data, eval_data, objects, config, overrides)
-    return run_training(cfg, console, user=user, loaded=loaded)
+    try:
+        user, objects = _objects(tools, environment_factory, env, reward_funcs)
+        if reward_weights is not None:
+            overrides["reward_weights"] = list(reward_weights)
+        cfg, loaded = _config(model, tokenizer, train_data, eval_data, objects, config, overrides)
+        return run_training(cfg, console, user=user, loaded=loaded)
+    except ConfigError as e:  # the one line, raised here: not the library's frames below
+        raise e.with_traceback(None) from None
 
 
 def warmup(
@@ -216,15 +224,19 @@ def warmup(
     and well-formed rate before and after, when ``eval_data`` is given)."""
     from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
-    user, objects = _objects(tools, environment_factory, env, reward_funcs)
-    if isinstance(demos, str | Path):
-        demo_source: Path | list[dict[str, Any]] = Path(demos).expanduser()
-    else:
-        demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
-    run = WarmupRun(Path(out).expanduser(), sft=sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size), demos_file=demo_source)
-    with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
-        cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})
-        return run_warmup(cfg, run, console or Console(soft_wrap=True), user=user, loaded=loaded)
+    try:
+        user, objects = _objects(tools, environment_factory, env, reward_funcs)
+        if isinstance(demos, str | Path):
+            demo_source: Path | list[dict[str, Any]] = Path(demos).expanduser()
+        else:
+            demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
+        recipe = sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size)
+        run = WarmupRun(Path(out).expanduser(), sft=recipe, demos_file=demo_source)
+        with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
+            cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})
+            return run_warmup(cfg, run, console or Console(soft_wrap=True), user=user, loaded=loaded)
+    except ConfigError as e:  # the one line, raised here: not the library's frames below
+        raise e.with_traceback(None) from None
 
 
 __all__ = ["train", "warmup"]

@@ -30,7 +30,9 @@ is extended).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -236,6 +238,31 @@ def save_checkpoint(
     """Write model, tokenizer, ``state`` and their checksums to a temp folder beside ``folder``,
     then rotate it in (the module docstring); an interrupted save leaves a complete generation."""
     folder = Path(folder)
+    try:
+        _save(folder, model, tokenizer, state, extra_files)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says "inline_container.cc:672 unexpected pos"
+        raise ConfigError(write_failure(f"cannot save the checkpoint to {folder}", folder.parent, e)) from None
+
+
+def write_failure(what: str, where: Path, err: BaseException) -> str:
+    """One line for a failed write under ``where``: ``no space left`` (with the free space) when
+    the disk is full, else the error's first line."""
+    try:
+        free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free / 1e9
+    except (OSError, StopIteration):
+        free = float("nan")
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        s in str(err) for s in ("unexpected pos", "No space left", "file write failed")
+    )
+    if full:
+        return f"{what}: no space left on {where} ({free:.1f} GB free); free some space or choose another --out-dir"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return f"{what}: {type(err).__name__}: {first}"
+
+
+def _save(
+    folder: Path, model: torch.nn.Module, tokenizer: Any, state: dict[str, Any], extra_files: dict[str, str] | None
+) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_temp_folders(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -286,6 +313,20 @@ def _remove_temp_folders(folder: Path) -> None:
     for p in folder.parent.glob(f".{folder.name}.*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+
+
+def check_writable(out: Path) -> None:
+    """Make the run folder ``out``, and refuse in one line (:class:`ConfigError`) when it cannot
+    be written (read-only, not a folder, a full disk) — before anything runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            write_failure(f"cannot write to the run folder {out}", out, e) + " (choose a writable --out-dir)"
+        ) from None
 
 
 def remove_stale_temps(out: Path) -> None:

@@ -30,6 +30,7 @@ from treegrpo.training.checkpoint import (
     CHECKPOINT_DIR,
     Checkpoint,
     RunState,
+    check_writable,
     open_checkpoint,
     remove_stale_temps,
     resume_config,
@@ -135,7 +136,7 @@ def train(
     console = (console or Console(soft_wrap=True)) if par.main else Console(quiet=True)
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)  # one line for a read-only or full run folder, before anything runs
     if par.main:
         remove_stale_temps(out)
     resume_from = open_checkpoint(out, console.print) if cfg.resume else None

@@ -140,6 +140,23 @@ def encode_demos(runner: StepRunner, demos: Sequence[Demo]) -> tuple[list[Encode
     return encoded, len(demos) - len(encoded)
 
 
+def demos_over_context(runner: StepRunner, demos: Sequence[Demo]) -> tuple[list[EncodedDemo], int, list[tuple[int, int]]]:
+    """:func:`encode_demos`, and ``(index into demos, tokens)`` of each encoded demo longer than
+    the loop's ``max_context_tokens``: the loop would end such a trajectory before its last steps,
+    so the warm-up would teach a context the policy never holds."""
+    encoded: list[EncodedDemo] = []
+    over: list[tuple[int, int]] = []
+    for i, d in enumerate(demos):
+        try:
+            e = encode_demo(runner, d)
+        except DemoTooLong:
+            continue
+        encoded.append(e)
+        if len(e.ids) > runner.cfg.max_context_tokens:
+            over.append((i, len(e.ids)))
+    return encoded, len(demos) - len(encoded), over
+
+
 def demo_texts(demos: Sequence[Demo], env: AgentEnv) -> list[str]:
     """Full demo transcripts (prompt, steps, observations), for tokenizer training."""
     return [env.prompt(d.task) + "".join(s + (o or "") for s, o in d.steps) for d in demos]
@@ -391,6 +408,7 @@ __all__ = [
     "EncodedDemo",
     "WarmupConfig",
     "demo_texts",
+    "demos_over_context",
     "encode_demo",
     "end_of_turn_id",
     "policy_token_loss",

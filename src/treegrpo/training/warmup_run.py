@@ -42,7 +42,7 @@ from treegrpo.training.setup import build_run
 from treegrpo.training.warmup import (
     WARMUP_RECORD,
     WarmupConfig,
-    encode_demos,
+    demos_over_context,
     sft_steps,
     supervised_warmup,
 )
@@ -113,7 +113,15 @@ def run_warmup(
     if not demos:
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
-    encoded, too_long = encode_demos(encoder, demos)
+    encoded, too_long, over = demos_over_context(encoder, demos)
+    if over:  # longer than the context the loop allows: one line naming the first, the fix
+        i, n = over[0]
+        source = run.demos_file.name if isinstance(run.demos_file, Path) else "demos"
+        raise ConfigError(
+            f"{source}: demo {i + 1} ({demos[i].task.question[:40]!r}) is {n} tokens, longer than max_context_tokens="
+            f"{encoder.cfg.max_context_tokens} (the agent loop would end it there); shorten it or raise "
+            f"--set max_context_tokens=N ({len(over)} demo(s) over)"
+        )
     if too_long:
         console.print(
             f"skipped {too_long} of {len(demos)} demos with a step over max_step_tokens="
