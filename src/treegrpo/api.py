@@ -189,6 +189,7 @@ def train(
         ConfigError: any bad setting, file, tool or reward (one line naming it and the fix), raised
             from this call (no frames of the library below it, no chained exception).
     """
+    threads = torch.get_num_threads()
     try:
         user, objects = _objects(tools, environment_factory, env, reward_funcs)
         if reward_weights is not None:
@@ -197,6 +198,8 @@ def train(
         return run_training(cfg, console, user=user, loaded=loaded)
     except ConfigError as e:  # the one line, raised here: not the library's frames below
         raise e.with_traceback(None) from None
+    finally:
+        torch.set_num_threads(threads)  # the run's ``threads`` end with it
 
 
 def warmup(

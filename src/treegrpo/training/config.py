@@ -206,6 +206,7 @@ class TrainConfig(BaseModel):
     # -- optimisation ------------------------------------------------------------------------------
     steps: int = Field(200, ge=0, validation_alias=AliasChoices("steps", "max_steps"), description="RL steps (TRL's max_steps).")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
+    dynamic_sampling: int = Field(0, ge=0, description="Dynamic sampling (DAPO; verl's filter_groups): drop groups whose leaves all got the same reward (no signal) and draw prompts_per_step more prompts, up to this many extra times, until prompts_per_step groups carry a signal; every drawn rollout counts in the step's budget. 0 = off. One process only.")
     lr: float | Literal["auto"] = Field(
         "auto",
         validation_alias=AliasChoices("lr", "learning_rate"),
@@ -274,15 +275,12 @@ class TrainConfig(BaseModel):
         "ddp",
         description="With more than one process (torchrun, or treegrpo train --nproc K): ddp = every rank holds the whole model (DDP); fsdp2 = parameters, gradients and optimizer state sharded across ranks (FSDP2 fully_shard), for a model that does not fit one device. One process: ignored.",
     )
-    threads: int = Field(
-        1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
-    )
+    threads: int | Literal["auto"] = Field("auto", description="torch CPU threads (0 = torch's default). auto = 1 for a bootstrapped tiny agent (fastest for it, and the default run's figures), the cores this process may use for other models (shared among torchrun's processes on a machine). Results can differ in the last bits between thread counts (parallel float sums): pin threads to reproduce a run exactly. Resolved when the model is loaded and recorded in config.json.")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
 
     @field_validator("model", "data", "eval_data", "corpus", "chat_template", "out_dir", mode="before")
     @classmethod
-    def _home(cls, v: Any) -> Any:
-        # ``~/x`` is the user's home (a shell expands it, Python and a quoted --set do not)
+    def _home(cls, v: Any) -> Any:  # ``~/x``: the user's home (a shell expands it, Python and --set do not)
         return os.path.expanduser(v) if isinstance(v, str | Path) and str(v).startswith("~") else v
 
     @field_validator("packing", mode="before")
@@ -394,11 +392,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be >= {least} or auto")
         return v
 
-    @field_validator("logprob_chunk_tokens")
+    @field_validator("logprob_chunk_tokens", "threads")
     @classmethod
-    def _chunk_size(cls, v: int | str) -> int | str:
+    def _count_or_auto(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 0:
-            raise ValueError("must be >= 1, 0 (off) or auto")
+            raise ValueError("must be >= 0 or auto")
         return v
 
     # -- derived -----------------------------------------------------------------------------------
