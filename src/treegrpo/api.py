@@ -216,6 +216,7 @@ def warmup(
     epochs: float = 1.0,
     lr: float = 1e-4,
     batch_size: int = 4,
+    share_prefix: bool = False,
     config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
     console: Console | None = None,
     **overrides: Any,
@@ -224,7 +225,9 @@ def warmup(
     message lists or question/steps records (docs/tools.md), run through your tools so every
     observation is what the env returns, encoded exactly as the agent loop holds a trajectory.
     Writes ``out`` — a model folder for :func:`train` — and returns its record (held-out reward
-    and well-formed rate before and after, when ``eval_data`` is given)."""
+    and well-formed rate before and after, when ``eval_data`` is given). ``share_prefix``: each
+    packed row holds the prefix its demonstrations share (the system prompt with the tool
+    schemas) once — the same loss to float rounding, less compute (``WarmupConfig.share_prefix``)."""
     from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
     try:
@@ -233,7 +236,7 @@ def warmup(
             demo_source: Path | list[dict[str, Any]] = Path(demos).expanduser()
         else:
             demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
-        recipe = sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size)
+        recipe = sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size, share_prefix=share_prefix)
         run = WarmupRun(Path(out).expanduser(), sft=recipe, demos_file=demo_source)
         with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
             cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})

@@ -352,6 +352,7 @@ def warmup_cmd(
     epochs: float = typer.Option(1.0, help="Passes over the demonstrations."),
     lr: float = typer.Option(1e-4, help="AdamW learning rate (SmolLM2-135M, full fine-tuning: 1e-4 for 24 steps, measured)."),
     batch_size: int = typer.Option(4, help="Demonstrations per optimizer step."),
+    share_prefix: bool = typer.Option(False, "--share-prefix", help="Compute the prefix a packed row's demonstrations share (system prompt, tool schemas) once: the same loss to float rounding, less compute."),
     eval_prompts: int = typer.Option(32, help="Held-out questions measured before and after."),
     set_: list[str] = typer.Option([], "--set", help="Any TrainConfig field (prompt, agent limits, device): --set key=value."),
 ) -> None:
@@ -371,7 +372,7 @@ def warmup_cmd(
         cfg = load_config(None, {**fields, **parse_set(set_)})
         demos_path = demos_file.expanduser() if demos_file is not None else None
         run = WarmupRun(
-            out.expanduser(), demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_path
+            out.expanduser(), demos=demos, sft=sft_recipe(epochs, lr, batch_size, share_prefix), eval_prompts=eval_prompts, demos_file=demos_path
         )
         run_warmup(cfg, run, Console(soft_wrap=True))
     except ConfigError as e:

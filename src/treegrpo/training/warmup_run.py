@@ -80,9 +80,10 @@ class WarmupRun:
     instead of the search task's made ones."""
 
 
-def sft_recipe(epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 4) -> WarmupConfig:
-    """:data:`REAL_MODEL_SFT` with these passes, learning rate and batch size."""
-    return dataclasses.replace(REAL_MODEL_SFT, epochs=epochs, lr=lr, batch_size=batch_size)
+def sft_recipe(epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 4, share_prefix: bool = False) -> WarmupConfig:
+    """:data:`REAL_MODEL_SFT` with these passes, learning rate, batch size and prefix sharing
+    (:attr:`~treegrpo.training.warmup.WarmupConfig.share_prefix`)."""
+    return dataclasses.replace(REAL_MODEL_SFT, epochs=epochs, lr=lr, batch_size=batch_size, share_prefix=share_prefix)
 
 
 def run_warmup(
