@@ -232,3 +232,10 @@ def _a_tool(x: str) -> str:
         x: the text
     """
     return x
+
+
+def test_train_help_says_what_model_and_data_take() -> None:
+    out = " ".join(CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "a .gguf file, a built-in name (smollm2-135m) or a Hugging Face hub id" in out
+    assert "Local causal-LM folder" not in out
+    assert "a JSONL file (one row a line: question or prompt, answers or answer" in out and "parquet" in out

@@ -90,9 +90,9 @@ def advantages_cmd(
 @app.command("train")
 def train_cmd(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML file of TrainConfig fields."),
-    model: str | None = typer.Option(None, help="Local causal-LM folder (default: the bootstrapped tiny agent)."),
-    data: str | None = typer.Option(None, help="Questions: Search-R1/verl parquet or JSONL {id, question, answers}."),
-    eval_data: str | None = typer.Option(None, help="Held-out questions (same formats)."),
+    model: str | None = typer.Option(None, help="Model: a local folder (a from_pretrained causal LM, a treegrpo warmup output or a run's checkpoint/), a .gguf file, a built-in name (smollm2-135m) or a Hugging Face hub id (default: the bootstrapped tiny agent)."),
+    data: str | None = typer.Option(None, help="Training questions: a JSONL file (one row a line: question or prompt, answers or answer, any other column your reward names), a Search-R1/verl parquet file, or a built-in set (wiki-vital-qa, with --corpus wiki-vital). From Python: also a list of dicts or a datasets.Dataset."),
+    eval_data: str | None = typer.Option(None, help="Held-out questions (the same forms; default: the world's eval split or a slice of --data)."),
     corpus: str | None = typer.Option(None, help="Search-R1 corpus JSONL or a built-in corpus name (wiki-vital)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     allow_offline_retriever: bool = typer.Option(False, "--allow-offline-retriever", help="Start even if --retriever-url does not answer now."),

@@ -34,7 +34,7 @@ class TrainConfig(BaseModel):
     # -- what to train, on what ----------------------------------------------------------------
     model: str | None = Field(
         None,
-        description="Local causal-LM folder; default: the bootstrapped tiny agent (built and cached on first use).",
+        description="A local model folder (from_pretrained, a warm-up output, a checkpoint/), a .gguf file, a built-in name (smollm2-135m) or a hub id; default: the bootstrapped tiny agent (built and cached on first use).",
     )
     preset: str = Field("default", description="Synthetic world preset used when no --data is given.")
     world_seed: int | None = Field(
