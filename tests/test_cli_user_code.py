@@ -80,8 +80,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
     return tmp_path, name
 
 
-def test_warmup_with_demos_and_tools_from_the_working_directory(tiny_model_dir: Path, workdir: tuple[Path, str]) -> None:
+def test_warmup_with_demos_and_tools_from_the_working_directory(smollm2_2layer_dir: Path, workdir: tuple[Path, str]) -> None:
+    # a real BPE tokenizer: with the tiny fixture's (512 positions) the prompt with these tool
+    # schemas alone is longer than the context, and such demos are refused (issue 42)
     folder, name = workdir
+    tiny_model_dir = smollm2_2layer_dir
     demos = [
         {"question": "What is 2 + 3?", "answer": "5", "steps": [{"tool": "add", "arguments": {"a": 2, "b": 3}}, {"answer": "5"}]},
         {"messages": [{"role": "user", "content": "What is 4 * 5?"},
