@@ -80,8 +80,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
     return tmp_path, name
 
 
-def test_warmup_with_demos_and_tools_from_the_working_directory(tiny_model_dir: Path, workdir: tuple[Path, str]) -> None:
+def test_warmup_with_demos_and_tools_from_the_working_directory(smollm2_2layer_dir: Path, workdir: tuple[Path, str]) -> None:
+    # a real BPE tokenizer: with the tiny fixture's (512 positions) the prompt with these tool
+    # schemas alone is longer than the context, and such demos are refused (issue 42)
     folder, name = workdir
+    tiny_model_dir = smollm2_2layer_dir
     demos = [
         {"question": "What is 2 + 3?", "answer": "5", "steps": [{"tool": "add", "arguments": {"a": 2, "b": 3}}, {"answer": "5"}]},
         {"messages": [{"role": "user", "content": "What is 4 * 5?"},
@@ -139,3 +142,82 @@ def test_a_bad_env_is_one_line_naming_it(tiny_model_dir: Path, workdir: tuple[Pa
     assert not (folder / "bad" / "metrics.jsonl").exists()  # refused before anything ran
     res = CliRunner().invoke(app, ["train", "--model", str(tiny_model_dir), "--env", f"{name}_envs:NoSuchEnv", "--data", "rows.jsonl", *SMALL])
     assert res.exit_code == 2 and f"--env '{name}_envs:NoSuchEnv': module {name}_envs has no 'NoSuchEnv'" in res.output
+
+
+# -- resume and the user's code (issue 42) --------------------------------------------------------
+
+RUN_ARGS = ["--sampler", "chain", "--group-size", "2", "--prompts-per-step", "1", "--set", "eval_prompts=1",
+            "--set", "max_step_tokens=8", *SMALL]  # fmt: skip
+
+
+def _one_line(res: object) -> str:
+    assert res.exit_code == 2, res.output  # type: ignore[attr-defined]
+    (line,) = res.output.strip().splitlines()  # type: ignore[attr-defined]
+    return line
+
+
+def test_resume_refuses_a_changed_user_module(tiny_model_dir: Path, workdir: tuple[Path, str]) -> None:
+    """The env's module is recorded (user_code.json, sha256); edited before a resume, the resume
+    names it and the fix; --resume-override user_code continues and records the new source."""
+    folder, name = workdir
+    args = ["train", "--model", str(tiny_model_dir), "--env", f"{name}_envs:GoodEnv", "--data", "rows.jsonl", "--out-dir", "run", *RUN_ARGS]
+    assert CliRunner().invoke(app, [*args, "--steps", "1"]).exit_code == 0
+    record = json.loads((folder / "run" / "user_code.json").read_text())["modules"]
+    assert list(record) == [f"{name}_envs"] and record[f"{name}_envs"]["file"].endswith(f"{name}_envs.py")
+    src = folder / f"{name}_envs.py"
+    src.write_text(src.read_text() + "\n# edited\n")
+    line = _one_line(CliRunner().invoke(app, [*args, "--steps", "2", "--resume"]))
+    assert line.startswith(f"error: --resume: your code changed since the run in run started: {name}_envs ({name}_envs.py)"), line
+    assert "--resume-override user_code" in line
+    res = CliRunner().invoke(app, [*args, "--steps", "2", "--resume", "--resume-override", "user_code"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((folder / "run" / "user_code.json").read_text())["modules"] != record
+
+
+def test_resume_of_tools_defined_in_main_names_the_fix(tiny_model_dir: Path, workdir: tuple[Path, str]) -> None:
+    """A script's run records its tools as ``__main__:name``; resumed from the command line they
+    cannot be imported back, and the refusal says how to make them importable."""
+    import treegrpo
+
+    folder, name = workdir
+    tools_mod = importlib.import_module(f"{name}_tools")
+
+    def add(a: int, b: int) -> str:
+        """Add two whole numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return str(a + b)
+
+    add.__module__, add.__qualname__ = "__main__", "add"  # as a function defined in a script
+    treegrpo.train(
+        str(tiny_model_dir), train_data=ROWS, tools=[add], reward_funcs=[tools_mod.reward], out_dir="main_run",
+        sampler="chain", group_size=2, prompts_per_step=1, steps=1, eval_prompts=1, max_step_tokens=8,
+        eval_sampled=False, threads=1, max_turns=2,
+    )  # fmt: skip
+    assert json.loads((folder / "main_run" / "config.json").read_text())["tools"] == ["__main__:add"]
+    line = _one_line(CliRunner().invoke(app, ["train", "--out-dir", "main_run", "--resume", "--steps", "2"]))
+    assert "'__main__:add' was defined in the script that started the run" in line
+    assert "move it into a module of its own" in line
+
+
+def test_resume_from_python_refuses_other_rows(tiny_model_dir: Path, workdir: tuple[Path, str]) -> None:
+    """``train(..., resume=True)`` with rows other than the run's leaves ``data/train.jsonl`` as it
+    was and refuses in one line; the same rows resume."""
+    import treegrpo
+    from treegrpo.errors import ConfigError
+
+    folder, name = workdir
+    tools_mod = importlib.import_module(f"{name}_tools")
+    kw = dict(tools=[tools_mod.add], reward_funcs=[tools_mod.reward], out_dir="py_run", sampler="chain", group_size=2,
+              prompts_per_step=1, eval_prompts=1, max_step_tokens=8, eval_sampled=False, threads=1, max_turns=2)  # fmt: skip
+    treegrpo.train(str(tiny_model_dir), train_data=ROWS, steps=1, **kw)  # type: ignore[arg-type]
+    written = (folder / "py_run" / "data" / "train.jsonl").read_text()
+    other = [dict(r, question=r["question"].replace("+", "plus")) for r in ROWS]
+    with pytest.raises(ConfigError, match=r"train_data: resume=True, but these are not the rows the run trained on .*6 rows, given 6, row 1 differs"):
+        treegrpo.train(str(tiny_model_dir), train_data=other, steps=2, resume=True, **kw)  # type: ignore[arg-type]
+    assert (folder / "py_run" / "data" / "train.jsonl").read_text() == written
+    s = treegrpo.train(str(tiny_model_dir), train_data=ROWS, steps=2, resume=True, **kw)  # type: ignore[arg-type]
+    assert s.steps == 2

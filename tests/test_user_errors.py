@@ -15,7 +15,8 @@ from treegrpo.cli import app
 from treegrpo.errors import ConfigError
 from treegrpo.models.loader import ModelLoadError, load_pretrained
 from treegrpo.tasks.datafile import DataError, load_tasks
-from treegrpo.training.config import load_config, make_config, parse_set
+from treegrpo.training.config import make_config
+from treegrpo.training.config_files import load_config, parse_set
 
 
 def _cli_error(*args: str) -> str:
@@ -171,3 +172,71 @@ def test_a_real_model_without_data_says_what_to_pass(tiny_model_dir: Path, tmp_p
     (d / "treegrpo_tiny.json").unlink()  # no longer a bootstrapped tiny agent: a "real" model
     line = _cli_error("train", "--model", str(d), "--out-dir", str(tmp_path / "r"), "--steps", "1")
     assert "--data" in line and "wiki-vital" in line
+
+
+# -- None settings (issue 42) ----------------------------------------------------------------------
+
+
+def test_none_setting_means_none_from_python_set_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tool_timeout_s=None`` (no limit) from Python keywords, ``--set tool_timeout_s=null`` and a
+    YAML null all record None; a flag not given keeps the default."""
+    import treegrpo.api as api
+    import treegrpo.training.run as run_mod
+
+    assert make_config(overrides={"tool_timeout_s": None}).tool_timeout_s is None
+    assert make_config(overrides=parse_set(["tool_timeout_s=null"])).tool_timeout_s is None
+    assert make_config(overrides={}).tool_timeout_s == 30.0
+    seen: list[object] = []
+
+    def capture(cfg: object, *a: object, **kw: object) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(run_mod, "run_training", capture)
+    res = CliRunner().invoke(app, ["train", "--set", "tool_timeout_s=null", "--out-dir", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert seen[-1].tool_timeout_s is None  # type: ignore[attr-defined]
+    res = CliRunner().invoke(app, ["train", "--out-dir", str(tmp_path / "d")])
+    assert res.exit_code == 0 and seen[-1].tool_timeout_s == 30.0  # type: ignore[attr-defined]
+    monkeypatch.setattr(api, "run_training", capture)
+    api.train(tool_timeout_s=None, out_dir=str(tmp_path / "p"))
+    assert seen[-1].tool_timeout_s is None and seen[-1].out_dir == str(tmp_path / "p")  # type: ignore[attr-defined]
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("tool_timeout_s: null\n")
+    assert load_config(yaml_file).tool_timeout_s is None
+
+
+def test_home_paths_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``out_dir="~/x"`` (and every path setting) is the user's home, not a literal ``./~/x``."""
+    import treegrpo.api as api
+
+    home = tmp_path / "home"
+    (home / "q").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(overrides={"out_dir": "~/x", "model": "~/m", "data": "~/q/a.jsonl", "eval_data": "~/q/b.jsonl", "tools": ["m:f"]})
+    assert (cfg.out_dir, cfg.model, cfg.data, cfg.eval_data) == (
+        str(home / "x"), str(home / "m"), str(home / "q/a.jsonl"), str(home / "q/b.jsonl")
+    )
+    (home / "c.yaml").write_text("out_dir: ~/y\n")
+    assert load_config("~/c.yaml").out_dir == str(home / "y")
+    seen: list[object] = []
+    monkeypatch.setattr(api, "run_training", lambda cfg, *a, **kw: seen.append(cfg))
+    api.train(train_data=[{"question": "q?", "answer": "a"}], tools=[_a_tool], out_dir="~/run")
+    assert (home / "run" / "data" / "train.jsonl").is_file() and not (tmp_path / "~").exists()
+    assert seen[-1].data == str(home / "run" / "data" / "train.jsonl")  # type: ignore[attr-defined]
+
+
+def _a_tool(x: str) -> str:
+    """Echo.
+
+    Args:
+        x: the text
+    """
+    return x
+
+
+def test_train_help_says_what_model_and_data_take() -> None:
+    out = " ".join(CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "a .gguf file, a built-in name (smollm2-135m) or a Hugging Face hub id" in out
+    assert "Local causal-LM folder" not in out
+    assert "a JSONL file (one row a line: question or prompt, answers or answer" in out and "parquet" in out

@@ -24,5 +24,6 @@ treegrpo.warmup(args.model, demos="demos.jsonl", eval_data="eval.jsonl", tools=t
                 out=warm, epochs=2, **limits, **native)
 summary = treegrpo.train(warm, train_data="questions.jsonl", eval_data="eval.jsonl", tools=tools, reward_funcs=[reward],
                          sampler=args.sampler, steps=args.steps, prompts_per_step=4,
+                         threads=1,  # as benchmarks/results/calculator.json was made; leave it out to use every core
                          out_dir=f"runs/calc-{args.sampler}-{args.protocol}", **limits, **native)
 print(f"held-out reward {summary.eval_start['eval/success_sampled']:.3f} -> {summary.eval_end['eval/success_sampled']:.3f}")

@@ -28,7 +28,9 @@ from treegrpo.imports import object_ref
 from treegrpo.io import atomic_write_text
 from treegrpo.models.loader import LoadedModel, loaded_objects
 from treegrpo.tasks.custom import UserObjects
-from treegrpo.training.config import TrainConfig, load_config, make_config
+from treegrpo.training.checkpoint import write_failure
+from treegrpo.training.config import TrainConfig, given, make_config
+from treegrpo.training.config_files import load_config
 from treegrpo.training.run import run_training
 from treegrpo.training.trainer import TrainSummary
 
@@ -54,9 +56,10 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"a row value of type {type(value).__name__} is not JSON")
 
 
-def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str) -> str | None:
+def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str, resume: bool = False) -> str | None:
     """``data`` as what the config records: a path or built-in name as given, rows written to
-    ``out_dir/data/<name>.jsonl`` (atomically) and that path."""
+    ``out_dir/data/<name>.jsonl`` (atomically) and that path. A resume of a run that has
+    started keeps the file, and refuses rows other than its own (:class:`ConfigError`)."""
     if data is None or isinstance(data, str | Path):
         return None if data is None else str(data)
     rows = data.to_list() if hasattr(data, "to_list") else data  # a datasets.Dataset
@@ -67,7 +70,13 @@ def _data_ref(data: Rows | None, out_dir: Path, name: str, arg: str) -> str | No
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{arg}: every row must be a dict of JSON values ({e})") from None
     path = out_dir / "data" / f"{name}.jsonl"
-    atomic_write_text(path, text)
+    if resume and path.is_file() and (out_dir / "metrics.jsonl").is_file():
+        _same_rows(path, text, arg)
+        return str(path)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:  # a read-only or full run folder
+        raise ConfigError(write_failure(f"{arg}: cannot write {path}", out_dir, e) + " (choose a writable out_dir)") from None
     return str(path)
 
 
@@ -93,6 +102,19 @@ def _dataset(data: Rows | None, dataset: Rows | None, arg: str, trl_arg: str) ->
     if data is not None and dataset is not None:
         raise ConfigError(f"give {arg}= or {trl_arg}= (TRL's name for it), not both")
     return data if data is not None else dataset
+
+
+def _same_rows(path: Path, text: str, arg: str) -> None:
+    """Refuse rows that are not the ones a resumed run recorded in ``path`` (one line: where they differ)."""
+    old = path.read_text(encoding="utf-8").splitlines()
+    new = text.splitlines()
+    if old == new:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    raise ConfigError(
+        f"{arg}: resume=True, but these are not the rows the run trained on ({path}: {len(old)} rows, given "
+        f"{len(new)}, row {k + 1} differs); pass the same rows to resume it, or another out_dir for a new run"
+    )
 
 
 def _objects(
@@ -144,9 +166,13 @@ def _config(
     base = _base(config)
     first = make_config(base, {**overrides, **objects})  # validates the fields before anything is written
     ref, loaded = _model(model, tokenizer, first.device)
-    out = Path(first.out_dir)
-    data = {"data": _data_ref(train_data, out, "train", "train_data"), "eval_data": _data_ref(eval_data, out, "eval", "eval_data")}
-    return make_config(base, {**overrides, **objects, "model": ref, **data}), loaded
+    out, resume = Path(first.out_dir), first.resume
+    data = {
+        "data": _data_ref(train_data, out, "train", "train_data", resume),
+        "eval_data": _data_ref(eval_data, out, "eval", "eval_data", resume),
+    }
+    ours = given({"model": ref, **data})  # what the call gave; a keyword the caller set to None stays None
+    return make_config(base, {**overrides, **objects, **ours}), loaded
 
 
 def train(
@@ -190,15 +216,22 @@ def train(
         console: where the run prints (a rich Console).
 
     Raises:
-        ConfigError: any bad setting, file, tool or reward (one line naming it and the fix).
+        ConfigError: any bad setting, file, tool or reward (one line naming it and the fix), raised
+            from this call (no frames of the library below it, no chained exception).
     """
-    user, objects = _objects(tools, environment_factory, env, reward_funcs)
-    if reward_weights is not None:
-        overrides["reward_weights"] = list(reward_weights)
-    train_rows = _dataset(train_data, train_dataset, "train_data", "train_dataset")
-    eval_rows = _dataset(eval_data, eval_dataset, "eval_data", "eval_dataset")
-    cfg, loaded = _config(model, tokenizer, train_rows, eval_rows, objects, config, overrides)
-    return run_training(cfg, console, user=user, loaded=loaded)
+    threads = torch.get_num_threads()
+    try:
+        user, objects = _objects(tools, environment_factory, env, reward_funcs)
+        if reward_weights is not None:
+            overrides["reward_weights"] = list(reward_weights)
+        train_rows = _dataset(train_data, train_dataset, "train_data", "train_dataset")
+        eval_rows = _dataset(eval_data, eval_dataset, "eval_data", "eval_dataset")
+        cfg, loaded = _config(model, tokenizer, train_rows, eval_rows, objects, config, overrides)
+        return run_training(cfg, console, user=user, loaded=loaded)
+    except ConfigError as e:  # the one line, raised here: not the library's frames below
+        raise e.with_traceback(None) from None
+    finally:
+        torch.set_num_threads(threads)  # the run's ``threads`` end with it
 
 
 def warmup(
@@ -215,6 +248,7 @@ def warmup(
     epochs: float = 1.0,
     lr: float = 1e-4,
     batch_size: int = 4,
+    share_prefix: bool = False,
     config: TrainConfig | Mapping[str, Any] | str | Path | None = None,
     console: Console | None = None,
     **overrides: Any,
@@ -223,18 +257,24 @@ def warmup(
     message lists or question/steps records (docs/tools.md), run through your tools so every
     observation is what the env returns, encoded exactly as the agent loop holds a trajectory.
     Writes ``out`` — a model folder for :func:`train` — and returns its record (held-out reward
-    and well-formed rate before and after, when ``eval_data`` is given)."""
+    and well-formed rate before and after, when ``eval_data`` is given). ``share_prefix``: each
+    packed row holds the prefix its demonstrations share (the system prompt with the tool
+    schemas) once — the same loss to float rounding, less compute (``WarmupConfig.share_prefix``)."""
     from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
-    user, objects = _objects(tools, environment_factory, env, reward_funcs)
-    if isinstance(demos, str | Path):
-        demo_source: Path | list[dict[str, Any]] = Path(demos)
-    else:
-        demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
-    run = WarmupRun(Path(out), sft=sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size), demos_file=demo_source)
-    with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
-        cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})
-        return run_warmup(cfg, run, console or Console(soft_wrap=True), user=user, loaded=loaded)
+    try:
+        user, objects = _objects(tools, environment_factory, env, reward_funcs)
+        if isinstance(demos, str | Path):
+            demo_source: Path | list[dict[str, Any]] = Path(demos).expanduser()
+        else:
+            demo_source = [dict(r) for r in (demos.to_list() if hasattr(demos, "to_list") else demos)]
+        recipe = sft_recipe(epochs=epochs, lr=lr, batch_size=batch_size, share_prefix=share_prefix)
+        run = WarmupRun(Path(out).expanduser(), sft=recipe, demos_file=demo_source)
+        with tempfile.TemporaryDirectory() as tmp:  # in-memory held-out rows are read from a file, as the CLI's
+            cfg, loaded = _config(model, tokenizer, None, eval_data, objects, config, {"out_dir": tmp, **overrides})
+            return run_warmup(cfg, run, console or Console(soft_wrap=True), user=user, loaded=loaded)
+    except ConfigError as e:  # the one line, raised here: not the library's frames below
+        raise e.with_traceback(None) from None
 
 
 __all__ = ["train", "warmup"]

@@ -90,9 +90,9 @@ def advantages_cmd(
 @app.command("train")
 def train_cmd(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML file of TrainConfig fields."),
-    model: str | None = typer.Option(None, help="Local causal-LM folder (default: the bootstrapped tiny agent)."),
-    data: str | None = typer.Option(None, help="Questions: Search-R1/verl parquet or JSONL {id, question, answers}."),
-    eval_data: str | None = typer.Option(None, help="Held-out questions (same formats)."),
+    model: str | None = typer.Option(None, help="Model: a local folder (a from_pretrained causal LM, a treegrpo warmup output or a run's checkpoint/), a .gguf file, a built-in name (smollm2-135m) or a Hugging Face hub id (default: the bootstrapped tiny agent)."),
+    data: str | None = typer.Option(None, help="Training questions: a JSONL file (one row a line: question or prompt, answers or answer, any other column your reward names), a Search-R1/verl parquet file, or a built-in set (wiki-vital-qa, with --corpus wiki-vital). From Python: also a list of dicts or a datasets.Dataset."),
+    eval_data: str | None = typer.Option(None, help="Held-out questions (the same forms; default: the world's eval split or a slice of --data)."),
     corpus: str | None = typer.Option(None, help="Search-R1 corpus JSONL or a built-in corpus name (wiki-vital)."),
     retriever_url: str | None = typer.Option(None, help="Search-R1-compatible retrieval server URL."),
     allow_offline_retriever: bool = typer.Option(False, "--allow-offline-retriever", help="Start even if --retriever-url does not answer now."),
@@ -132,10 +132,11 @@ def train_cmd(
 
         raise typer.Exit(launch(nproc))
 
-    from treegrpo.training.config import ConfigError, load_config, parse_set
+    from treegrpo.training.config import ConfigError, given
+    from treegrpo.training.config_files import load_config, parse_set
 
     console = Console(soft_wrap=True)
-    overrides = {
+    overrides = given({
         "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
         "preset": preset, "sampler": sampler, "engine": engine, "m": m, "n": n, "l": l, "group_size": group_size,
         "expand_mode": expand_mode, "advantage": advantage, "steps": steps, "prompts_per_step": prompts_per_step,
@@ -143,7 +144,7 @@ def train_cmd(
         "resume_override": resume_override,
         "task": task, "t": t, "fork_score": fork_score, "allow_offline_retriever": allow_offline_retriever or None,
         "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
-    }  # fmt: skip
+    })  # fmt: skip  (a flag not given is left out; --set key=null sets None)
     try:
         extra = parse_set(set_)
         cfg = load_config(config, {**overrides, **extra})
@@ -352,6 +353,7 @@ def warmup_cmd(
     epochs: float = typer.Option(1.0, help="Passes over the demonstrations."),
     lr: float = typer.Option(1e-4, help="AdamW learning rate (SmolLM2-135M, full fine-tuning: 1e-4 for 24 steps, measured)."),
     batch_size: int = typer.Option(4, help="Demonstrations per optimizer step."),
+    share_prefix: bool = typer.Option(False, "--share-prefix", help="Compute the prefix a packed row's demonstrations share (system prompt, tool schemas) once: the same loss to float rounding, less compute."),
     eval_prompts: int = typer.Option(32, help="Held-out questions measured before and after."),
     set_: list[str] = typer.Option([], "--set", help="Any TrainConfig field (prompt, agent limits, device): --set key=value."),
 ) -> None:
@@ -360,16 +362,20 @@ def warmup_cmd(
     protocol before RL; prints held-out success and well-formed rate before and after."""
     from rich.console import Console
 
-    from treegrpo.training.config import ConfigError, load_config, parse_set
+    from treegrpo.training.config import ConfigError, given
+    from treegrpo.training.config_files import load_config, parse_set
     from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
     try:
-        fields = {
+        fields = given({
             "model": model, "data": data, "eval_data": eval_data, "corpus": corpus, "retriever_url": retriever_url,
             "env": env, "tools": tools, "reward": reward, "protocol": protocol, "chat_template": chat_template,
-        }  # fmt: skip
+        })  # fmt: skip
         cfg = load_config(None, {**fields, **parse_set(set_)})
-        run = WarmupRun(out, demos=demos, sft=sft_recipe(epochs, lr, batch_size), eval_prompts=eval_prompts, demos_file=demos_file)
+        demos_path = demos_file.expanduser() if demos_file is not None else None
+        run = WarmupRun(
+            out.expanduser(), demos=demos, sft=sft_recipe(epochs, lr, batch_size, share_prefix), eval_prompts=eval_prompts, demos_file=demos_path
+        )
         run_warmup(cfg, run, Console(soft_wrap=True))
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)

@@ -36,6 +36,12 @@ def import_object(ref: str, what: str = "object") -> Any:
         raise ConfigError(f"{what} {ref!r}: importing {module} failed: {type(e).__name__}: {e}") from None
     for part in name.split("."):
         if not hasattr(obj, part):
+            if module == "__main__":  # recorded by a script's run (treegrpo.train), resumed from elsewhere
+                raise ConfigError(
+                    f"{what} {ref!r} was defined in the script that started the run and cannot be imported "
+                    "back: move it into a module of its own (e.g. my_tools.py beside the script), import it "
+                    "from there, and resume from that folder (or call treegrpo.train(..., resume=True) from the script)"
+                )
             raise ConfigError(f"{what} {ref!r}: module {module} has no {name!r}")
         obj = getattr(obj, part)
     return obj

@@ -19,7 +19,8 @@ from treegrpo.algos.advantages import token_advantages
 from treegrpo.algos.gigpo import shared_anchor_stats
 from treegrpo.algos.losses import LossConfig
 from treegrpo.models.loader import load_model
-from treegrpo.training.config import ConfigError, make_config, parse_set
+from treegrpo.training.config import ConfigError, make_config
+from treegrpo.training.config_files import parse_set
 from treegrpo.training.policy import Policy
 from treegrpo.training.trainer import advantage_config, train
 from treegrpo.training.update import update

@@ -120,3 +120,39 @@ def test_non_finite_reward_stops_with_the_prompt_and_reward_function(tiny_model_
     cfg = make_config({"steps": 1, "prompts_per_step": 1, "eval_every": 0, "out_dir": str(tmp_path / "r"), "tensorboard": False, "eval_sampled": False})
     with pytest.raises(ConfigError, match=r"prompt 'q1'.*not finite.*reward function: f1"):
         train(cfg, parts=parts)
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_before_any_forward(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The update (and the packing probe) never runs the model over a prompt that overflowed: the
+    longest sequence any forward sees is within the context; the skip is counted and said."""
+    import io
+
+    from rich.console import Console
+
+    from treegrpo.training.packing import probe
+
+    long = Task("long", "where is " + "city1 " * 300 + "?", ["country1"])
+    short = Task("short", "where is city2?", ["country2"])
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    long_ids = tok(long.question)["input_ids"]
+    city = max(set(long_ids), key=long_ids.count)  # a token the long prompt repeats ~300 times
+    copies: list[int] = []  # per forward, the most copies of it in one row
+    model.register_forward_pre_hook(lambda m, a, kw: copies.append(int((kw["input_ids"] == city).sum(-1).max())), with_kwargs=True)
+    parts = RunParts(
+        model_dir=tiny_model_dir, model=model, tokenizer=tok,
+        env=SearchEnv(BM25Retriever(DOCS), topk=1, prompt_template="minimal"),
+        train_tasks=[long, short], eval_tasks=[short],
+        agent_cfg=AgentConfig(max_turns=2, max_step_tokens=12, max_obs_tokens=24, max_context_tokens=200),
+        extra_files={MARKER_FILE: (tiny_model_dir / MARKER_FILE).read_text()}, info={},
+    )  # fmt: skip
+    for packing in ("on", "off"):
+        probe._PACKING_CHECKED.pop(model, None)  # the probe runs again, on this batch
+        copies.clear()
+        out, buf = tmp_path / packing, io.StringIO()
+        cfg = make_config({"steps": 1, "prompts_per_step": 2, "eval_every": 0, "out_dir": str(out), "tensorboard": False,
+                           "packing": packing, "eval_sampled": False})  # fmt: skip
+        train(cfg, console=Console(file=buf, width=300), parts=parts)
+        row = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1]
+        assert row["update/skipped_prompts"] == 1.0
+        assert copies and max(copies) < 50 <= long_ids.count(city) // 4  # no forward over the long prompt
+        assert "1 such prompt(s) skipped by the update (no forward over them)" in buf.getvalue()

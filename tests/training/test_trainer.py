@@ -16,7 +16,8 @@ from treegrpo.retrieval.base import Doc
 from treegrpo.retrieval.bm25 import BM25Retriever
 from treegrpo.rollout.agent import AgentConfig
 from treegrpo.training.batching import TrainSequence
-from treegrpo.training.config import ConfigError, TrainConfig, load_config, make_config
+from treegrpo.training.config import ConfigError, TrainConfig, make_config
+from treegrpo.training.config_files import load_config
 from treegrpo.training.policy import Policy
 from treegrpo.training.setup import RunParts
 from treegrpo.training.trainer import train

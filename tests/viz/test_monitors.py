@@ -97,7 +97,8 @@ def test_zero_signal_and_mixed_outcome_warnings() -> None:
     hist, warns = run(rows, MonitorThresholds(patience=2))
     assert hist[4]["monitor/all_fail_frac"] == 1.0 and hist[4]["monitor/zero_signal_frac"] == 1.0
     assert hist[3]["monitor/mixed_outcome_ratio"] == pytest.approx(0.5)
-    assert warns[4] == []  # first step over the line: patience
+    (w,) = warns[4]  # no group with a signal at all: said at once (not after patience), with the remedy
+    assert "100% of groups have no advantage signal" in w and "dynamic_sampling" in w
     assert any("100% of groups have no advantage signal (100% all fail, 0% all succeed)" in w for w in warns[5])
     assert any("mixed-outcome groups fell to 0.00×" in w for w in warns[5])
     assert warns[6] == [] and hist[6]["monitor/alert/zero_signal"] == 0

@@ -310,7 +310,7 @@ def bench_real_cmd(
     from treegrpo.benchmarks.real import RealSpec, run_bench
     from treegrpo.benchmarks.real_costs import MODES
     from treegrpo.errors import ConfigError
-    from treegrpo.training.config import parse_set
+    from treegrpo.training.config_files import parse_set
 
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     eval_prompts = eval_prompts or (128 if table else 16)
@@ -395,7 +395,7 @@ def bench_peers_cmd(
     (each in its own process, repeats interleaved), held-out EM before/after, paired by seed."""
     from treegrpo.benchmarks.peers import ROWS, PeersSpec, prepare_single_turn, run_bench
     from treegrpo.errors import ConfigError
-    from treegrpo.training.config import parse_set
+    from treegrpo.training.config_files import parse_set
 
     if model is None and not write_docs:
         _fail("error: --model is required: the single-turn job's starting folder (docs/benchmarks.md)", code=2)

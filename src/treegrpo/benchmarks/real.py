@@ -79,7 +79,7 @@ def base_config(spec: RealSpec, **fields: Any) -> TrainConfig:
     """The run config every stage shares: model, questions, corpus, greedy-only evaluation."""
     return TrainConfig(**{
         "model": spec.model, "data": spec.data, "corpus": spec.corpus, "eval_prompts": spec.eval_prompts,
-        "eval_sampled": False, "seed": spec.seed, "tensorboard": False, **spec.overrides, **fields,
+        "eval_sampled": False, "seed": spec.seed, "tensorboard": False, "threads": 1, **spec.overrides, **fields,
     })  # fmt: skip
 
 

@@ -135,6 +135,15 @@ class TableSpec:
         }  # fmt: skip
 
 
+def table_config(fields: dict[str, Any]) -> Any:
+    """The :class:`~treegrpo.training.config.TrainConfig` of ``fields``, on one torch thread
+    unless they set ``threads``: the table's committed runs were made so (``threads`` = auto would
+    take every core for a real model, and parallel float sums can differ in the last bits)."""
+    from treegrpo.training.config import TrainConfig
+
+    return TrainConfig(**{"threads": 1, **fields})
+
+
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label).strip("_")
 
@@ -142,7 +151,6 @@ def _slug(label: str) -> str:
 def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     """The starting folder's held-out evaluation (greedy and sampled) and the questions' ids,
     computed once and kept in ``work``."""
-    from treegrpo.training.config import TrainConfig
 
     probe = spec.config(spec.runs()[0], str(work / "unused"))
     keep = {k: probe[k] for k in ("model", "data", "corpus", "eval_prompts")} | spec.overrides
@@ -150,7 +158,7 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
     if path.is_file():
         log(f"start evaluation: reusing {path}")
         return json.loads(path.read_text())
-    cfg = TrainConfig(**probe)
+    cfg = table_config(probe)
     log(f"start evaluation: {spec.eval_prompts} held-out questions, greedy and sampled")
     with torch_threads(cfg.threads):
         done = {"settings": keep, **held_out_eval(cfg, sampled=True)}
@@ -160,10 +168,9 @@ def start_eval(spec: TableSpec, work: Path, log: Log) -> dict[str, Any]:
 
 def train_prompt_ids(spec: TableSpec) -> list[str]:
     """The ids of the training questions the runs draw from, in the task's order."""
-    from treegrpo.training.config import TrainConfig
     from treegrpo.training.setup import build_run
 
-    return [t.id for t in build_run(TrainConfig(**spec.config(spec.runs()[0], ""))).train_tasks]
+    return [t.id for t in build_run(table_config(spec.config(spec.runs()[0], ""))).train_tasks]
 
 
 def prompt_order(spec: TableSpec, seed: int, task_ids: list[str]) -> list[str]:
@@ -189,7 +196,6 @@ def run_one(
     """Train (or resume, or reuse) one run; its row. ``pool``: the training questions the run
     draws from (:func:`select_pool`; ``None``: all of them, ``task_ids``)."""
     from treegrpo.training.checkpoint import CHECKPOINT_DIR, drop_previous
-    from treegrpo.training.config import TrainConfig
     from treegrpo.training.metrics import read_metrics
     from treegrpo.training.trainer import TrainSummary, train
     from treegrpo.tree import read_forests
@@ -198,7 +204,7 @@ def run_one(
     summary = TrainSummary.read(run_dir / "summary.json")
     if summary is None or summary.steps < spec.steps:
         log(f"{run.key}: {spec.steps} steps × {spec.prompts_per_step} prompts → {run_dir}")
-        cfg = TrainConfig(**spec.config(run, str(run_dir)))
+        cfg = table_config(spec.config(run, str(run_dir)))
         summary = train(cfg, eval_start=eval_start, parts=_pooled_parts(cfg, pool) if pool else None)
     drop_previous(run_dir / CHECKPOINT_DIR)  # a finished run is never resumed: its last checkpoint is enough
     s = summary
@@ -253,10 +259,9 @@ def _rollout_from_start(spec: TableSpec, work: Path, tasks_of: Any, samplers: li
     from treegrpo.rollout.agent import StepRunner
     from treegrpo.rollout.engine import make_engine
     from treegrpo.rollout.samplers import get_sampler
-    from treegrpo.training.config import TrainConfig
     from treegrpo.training.setup import build_run
 
-    cfg = TrainConfig(**spec.config(spec.runs()[0], str(work / "unused")))
+    cfg = table_config(spec.config(spec.runs()[0], str(work / "unused")))
     out: dict[str, Any] = {}
     with torch_threads(cfg.threads):
         parts = build_run(cfg)
@@ -394,7 +399,6 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any]:
     """Every run of the table (resuming), then ``out`` (JSON) and its PNG; returns the results."""
-    from treegrpo.training.config import TrainConfig
 
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -410,7 +414,7 @@ def run_table(spec: TableSpec, work: Path, out: Path, log: Log) -> dict[str, Any
     runs_s = sum(r["wall_s"] for r in rows)
     results = {
         "format": FORMAT,
-        "provenance": provenance(model_dir=spec.model, threads=TrainConfig(**spec.config(spec.runs()[0], str(work))).threads or None),
+        "provenance": provenance(model_dir=spec.model, threads=table_config(spec.config(spec.runs()[0], str(work))).threads or None),
         "spec": asdict(spec),
         "eval_start": start["eval"],
         "eval_ids": start["eval_ids"],

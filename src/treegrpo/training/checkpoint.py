@@ -30,7 +30,9 @@ is extended).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -52,6 +54,7 @@ CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "checksums.json"
 STATE_FORMAT = 2  # 2: plain-data state (weights_only-safe) with checksums; 1 (no field): pickled RNG tuples
+USER_CODE = "user_code"  # the resume_override name accepting changed user modules (training/usercode.py)
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl")  # written atomically, via temp files
 
 #: Fields a resume may change without ``resume_override``: none of them changes what is trained.
@@ -235,6 +238,31 @@ def save_checkpoint(
     """Write model, tokenizer, ``state`` and their checksums to a temp folder beside ``folder``,
     then rotate it in (the module docstring); an interrupted save leaves a complete generation."""
     folder = Path(folder)
+    try:
+        _save(folder, model, tokenizer, state, extra_files)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says "inline_container.cc:672 unexpected pos"
+        raise ConfigError(write_failure(f"cannot save the checkpoint to {folder}", folder.parent, e)) from None
+
+
+def write_failure(what: str, where: Path, err: BaseException) -> str:
+    """One line for a failed write under ``where``: ``no space left`` (with the free space) when
+    the disk is full, else the error's first line."""
+    try:
+        free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free / 1e9
+    except (OSError, StopIteration):
+        free = float("nan")
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        s in str(err) for s in ("unexpected pos", "No space left", "file write failed")
+    )
+    if full:
+        return f"{what}: no space left on {where} ({free:.1f} GB free); free some space or choose another --out-dir"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return f"{what}: {type(err).__name__}: {first}"
+
+
+def _save(
+    folder: Path, model: torch.nn.Module, tokenizer: Any, state: dict[str, Any], extra_files: dict[str, str] | None
+) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_temp_folders(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -285,6 +313,20 @@ def _remove_temp_folders(folder: Path) -> None:
     for p in folder.parent.glob(f".{folder.name}.*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+
+
+def check_writable(out: Path) -> None:
+    """Make the run folder ``out``, and refuse in one line (:class:`ConfigError`) when it cannot
+    be written (read-only, not a folder, a full disk) — before anything runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            write_failure(f"cannot write to the run folder {out}", out, e) + " (choose a writable --out-dir)"
+        ) from None
 
 
 def remove_stale_temps(out: Path) -> None:
@@ -403,7 +445,7 @@ def resume_config(ck: Checkpoint, cfg: TrainConfig) -> tuple[TrainConfig, dict[s
     explicitly on top (and ``out_dir`` where the checkpoint was found), and what that changes as
     ``{field: (old, new)}``. A change outside ``RESUME_FREE_FIELDS`` must be named in
     ``cfg.resume_override``, else :class:`ConfigError`; ``steps`` may only grow."""
-    unknown = [f for f in cfg.resume_override if f not in TrainConfig.model_fields]
+    unknown = [f for f in cfg.resume_override if f not in TrainConfig.model_fields and f != USER_CODE]
     if unknown:
         raise ConfigError(f"resume_override: unknown config field(s) {', '.join(unknown)}")
     recorded_set = set(ck.config_set) & set(TrainConfig.model_fields)

@@ -8,10 +8,10 @@ one line naming the field and the fix.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -24,7 +24,7 @@ from pydantic import (
 
 from treegrpo.errors import ConfigError
 
-__all__ = ["ConfigError", "TrainConfig", "load_config", "make_config", "parse_set"]
+__all__ = ["ConfigError", "TrainConfig", "given", "make_config"]
 
 
 class TrainConfig(BaseModel):
@@ -33,7 +33,7 @@ class TrainConfig(BaseModel):
     # -- what to train, on what ----------------------------------------------------------------
     model: str | None = Field(
         None,
-        description="Local causal-LM folder; default: the bootstrapped tiny agent (built and cached on first use).",
+        description="A local model folder (from_pretrained, a warm-up output, a checkpoint/), a .gguf file, a built-in name (smollm2-135m) or a hub id; default: the bootstrapped tiny agent (built and cached on first use).",
     )
     preset: str = Field("default", description="Synthetic world preset used when no --data is given.")
     world_seed: int | None = Field(
@@ -222,6 +222,7 @@ class TrainConfig(BaseModel):
     # -- optimisation ------------------------------------------------------------------------------
     steps: int = Field(200, ge=0, validation_alias=AliasChoices("steps", "max_steps"), description="RL steps (TRL's max_steps).")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step.")
+    dynamic_sampling: int = Field(0, ge=0, description="Dynamic sampling (DAPO; verl's filter_groups): drop groups whose leaves all got the same reward (no signal) and draw prompts_per_step more prompts, up to this many extra times, until prompts_per_step groups carry a signal; every drawn rollout counts in the step's budget. 0 = off. One process only.")
     lr: float | Literal["auto"] = Field(
         "auto",
         validation_alias=AliasChoices("lr", "learning_rate"),
@@ -290,10 +291,13 @@ class TrainConfig(BaseModel):
         "ddp",
         description="With more than one process (torchrun, or treegrpo train --nproc K): ddp = every rank holds the whole model (DDP); fsdp2 = parameters, gradients and optimizer state sharded across ranks (FSDP2 fully_shard), for a model that does not fit one device. One process: ignored.",
     )
-    threads: int = Field(
-        1, ge=0, description="torch CPU threads; 1 is fastest for the tiny agent (0 = torch's default, for larger models)."
-    )
+    threads: int | Literal["auto"] = Field("auto", description="torch CPU threads (0 = torch's default). auto = 1 for a bootstrapped tiny agent (fastest for it, and the default run's figures), the cores this process may use for other models (shared among torchrun's processes on a machine). Results can differ in the last bits between thread counts (parallel float sums): pin threads to reproduce a run exactly. Resolved when the model is loaded and recorded in config.json.")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+
+    @field_validator("model", "data", "eval_data", "corpus", "chat_template", "out_dir", mode="before")
+    @classmethod
+    def _home(cls, v: Any) -> Any:  # ``~/x``: the user's home (a shell expands it, Python and --set do not)
+        return os.path.expanduser(v) if isinstance(v, str | Path) and str(v).startswith("~") else v
 
     @field_validator("packing", mode="before")
     @classmethod
@@ -349,12 +353,7 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"unknown reward {r!r}; choose em, sub_em, f1, format or package.module:function")
         return v
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tool_list(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
-
-    @field_validator("resume_override", "lora_target_modules", mode="before")
+    @field_validator("tools", "resume_override", "lora_target_modules", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
@@ -409,11 +408,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be >= {least} or auto")
         return v
 
-    @field_validator("logprob_chunk_tokens")
+    @field_validator("logprob_chunk_tokens", "threads")
     @classmethod
-    def _chunk_size(cls, v: int | str) -> int | str:
+    def _count_or_auto(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 0:
-            raise ValueError("must be >= 1, 0 (off) or auto")
+            raise ValueError("must be >= 0 or auto")
         return v
 
     # -- derived -----------------------------------------------------------------------------------
@@ -459,58 +458,16 @@ def _one_line(err: ValidationError) -> str:
 
 
 def make_config(base: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Validate ``base`` (e.g. from YAML) with ``overrides`` (from the CLI) on top."""
-    data = {**(base or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    """Validate ``base`` (e.g. from YAML) with ``overrides`` (from the CLI, ``--set`` or Python
+    keywords) on top. A ``None`` in either sets the field to None (``tool_timeout_s=None``: no
+    limit), as a YAML null does; a caller leaves out what was not given (:func:`given`)."""
+    data = {**(base or {}), **(overrides or {})}
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_one_line(e)) from None
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Read a YAML config (or none) and apply CLI overrides."""
-    base: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {_one_line_yaml(e)}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of field: value")
-        base = {k.replace("-", "_"): v for k, v in loaded.items()}
-    return make_config(base, overrides)
-
-
-def _one_line_yaml(err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return f"{getattr(err, 'problem', None) or err}{where}".replace("\n", " ")
-
-
-#: TrainConfig fields whose value is a mapping (``--set`` keeps a YAML mapping for these).
-_MAPPING_FIELDS = frozenset(k for k, f in TrainConfig.model_fields.items() if getattr(f.annotation, "__origin__", f.annotation) is dict)
-
-
-def parse_set(pairs: list[str]) -> dict[str, Any]:
-    """``--set key=value`` pairs. A value is read as a YAML scalar (``3``, ``true``, ``1e-4``,
-    ``null``, ``[a, b]``); a mapping or text YAML rejects (``Q: {question}``, ``a: b``) is taken
-    as the literal string, so a prompt template needs no quoting — except for a field that is a
-    mapping (``engine_options={max_batch_size: 64}``), which keeps it."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--set {pair!r}: expected key=value")
-        k, v = pair.split("=", 1)
-        try:
-            value = yaml.safe_load(v)
-        except yaml.YAMLError:
-            value = v
-        if isinstance(value, dict) and k.strip().replace("-", "_") not in _MAPPING_FIELDS:
-            value = v
-        out[k.strip().replace("-", "_")] = value
-    return out
+def given(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` without those that are None: the command-line flags a user did not give."""
+    return {k: v for k, v in fields.items() if v is not None}

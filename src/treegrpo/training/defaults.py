@@ -3,6 +3,7 @@ advantage group without a baseline (warned about before a run starts)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -36,6 +37,7 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] 
     ``max_step_tokens``          48                  128
     ``max_context_tokens``       3072                4096
     ``protocol``                 tags                (decided by the env: :func:`~treegrpo.tasks.custom.tool_protocol`)
+    ``threads``                  1                   :func:`machine_threads`
     ===========================  ==================  ==========================================
 
     The agent limits are the ones the run uses when given (``limits``: the agent settings the
@@ -55,9 +57,21 @@ def resolve_model_defaults(cfg: TrainConfig, tiny: bool, limits: dict[str, int] 
     for k in AUTO_LIMITS:
         if getattr(cfg, k) == "auto":
             update[k] = (limits or kind)[k]
+    if cfg.threads == "auto":
+        update["threads"] = 1 if tiny else machine_threads()
     if not update:
         return cfg
     return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), **update})
+
+
+def machine_threads() -> int:
+    """The CPU cores this process may use (its affinity mask, else ``os.cpu_count()``), divided
+    among the processes torchrun started on this machine (``LOCAL_WORLD_SIZE``); at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows: no affinity mask
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 def single_leaf_groups(cfg: TrainConfig) -> str | None:

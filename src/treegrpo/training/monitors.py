@@ -24,7 +24,8 @@ Monitors (keys read → keys written):
 
 Each monitor whose condition holds also writes ``monitor/alert/<name>``: for how many consecutive
 steps it has held (0 when it does not). A warning line is returned when that count reaches
-``patience`` and again every ``repeat_every`` steps after. The count is carried through the
+``patience`` and again every ``repeat_every`` steps after (at once for a non-finite value, and
+for a step where no group carries a signal, with the remedy). The count is carried through the
 history: pass the earlier rows *as logged*, with the ``monitor/`` values this function returned
 merged in (otherwise every count restarts at 1). A monitor whose inputs are missing writes
 nothing. "Early" is the mean over the first ``early_steps`` rows that have the key; a monitor
@@ -188,8 +189,13 @@ def check_step(
         why = ""
         if "monitor/all_fail_frac" in zs:
             why = f" ({zs['monitor/all_fail_frac']:.0%} all fail, {zs['monitor/all_success_frac']:.0%} all succeed)"
+        remedy = "; every advantage is 0, so this step taught nothing" + (
+            "" if _num(metrics, "dynamic/draws") is not None else
+            ": set dynamic_sampling=4 (drop such groups, draw more prompts: DAPO's dynamic sampling) or give questions the policy sometimes solves"
+        )  # fmt: skip
         conds["zero_signal"] = (
             f"{frac:.0%} of groups have no advantage signal{why}; threshold {th.zero_signal_max:.0%}"
+            + (remedy if frac >= 1.0 else "")
             if frac >= th.zero_signal_max
             else None
         )
@@ -249,6 +255,7 @@ def check_step(
         out[f"monitor/alert/{name}"] = float(count)
         patience = 1 if name == "nonfinite" else max(1, th.patience)  # a NaN is news at once
         due = count == patience or (th.repeat_every > 0 and count > patience and (count - patience) % th.repeat_every == 0)
+        due = due or (count == 1 and name == "zero_signal" and out.get("monitor/zero_signal_frac") == 1.0)  # no signal at all
         if reason is not None and due:
             held = f" (for {count} steps)" if count > 1 else ""
             warnings.append(f"warning: {where}{reason}{held}")

@@ -131,6 +131,8 @@ def step_warnings(m: dict[str, float]) -> list[str]:
         out.append(
             f"warning: {int(m['budget/context_overflows'])} trajectories ended before their first step: the "
             "prompt leaves no room for a step within max_context_tokens (raise it or shorten the prompts)"
+            + (f"; {int(m['update/skipped_prompts'])} such prompt(s) skipped by the update (no forward over them)"
+               if m.get("update/skipped_prompts") else "")
         )
     return out
 

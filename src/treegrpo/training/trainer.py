@@ -31,6 +31,7 @@ from treegrpo.training.checkpoint import (
     CHECKPOINT_DIR,
     Checkpoint,
     RunState,
+    check_writable,
     open_checkpoint,
     remove_stale_temps,
     resume_config,
@@ -39,6 +40,7 @@ from treegrpo.training.checkpoint import (
 from treegrpo.training.config import TrainConfig, with_protocol
 from treegrpo.training.defaults import AUTO_LIMITS, resolve_model_defaults, warn_single_leaf_groups
 from treegrpo.training.distributed import Parallel, QuietLogger, shard
+from treegrpo.training.dynamic import dynamic_note, dynamic_rollout
 from treegrpo.training.evaluate import evaluate, headline
 from treegrpo.training.memory import return_freed_memory
 from treegrpo.training.metrics import MetricsLogger, peak_rss_gb
@@ -56,6 +58,7 @@ from treegrpo.training.report import (
 from treegrpo.training.schedule import lr_at, set_lr
 from treegrpo.training.setup import RunParts, build_run, recorded_agent_fields
 from treegrpo.training.update import update
+from treegrpo.training.usercode import check_and_record
 from treegrpo.tree import write_forests
 
 GIGPO_ESTIMATORS = ("gigpo", "tree_gigpo")
@@ -136,7 +139,7 @@ def train(
     console = (console or Console(soft_wrap=True)) if par.main else Console(quiet=True)
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)  # one line for a read-only or full run folder, before anything runs
     if par.main:
         remove_stale_temps(out)
     resume_from = open_checkpoint(out, console.print) if cfg.resume else None
@@ -145,7 +148,7 @@ def train(
         cfg, changed = resume_config(resume_from, cfg)
         if resume_from.step >= cfg.steps:
             return _finished(out, cfg, resume_from, console)
-    if cfg.threads:
+    if isinstance(cfg.threads, int) and cfg.threads:
         torch.set_num_threads(cfg.threads)
     return_freed_memory()  # glibc: freed activations go back to the OS (peak RSS), see training/memory.py
 
@@ -155,8 +158,13 @@ def train(
     parts = parts or par.main_first(lambda: build_run(cfg, user=user, loaded=loaded))  # rank 0 bootstraps
     cfg = with_protocol(cfg, protocol_of(parts.env))  # protocol auto: the one the env speaks
     rewards = reward_set_of(parts.env)  # reward functions' trainer_state, log_metric/log_extra (None: none)
+    if par.main:  # a resume refuses changed user modules (tools, env, rewards): training/usercode.py
+        check_and_record(out, cfg, resuming=resume_from is not None)
     limits = {k: getattr(parts.agent_cfg, k) for k in AUTO_LIMITS}  # the ones the run uses
+    auto_threads = cfg.threads == "auto"
     cfg = resolve_model_defaults(cfg, tiny=(parts.model_dir / MARKER_FILE).is_file(), limits=limits)  # auto fields
+    if auto_threads and cfg.threads:  # 1 for a tiny agent, else the cores this process may use
+        torch.set_num_threads(int(cfg.threads))
     cfg = recorded_agent_fields(cfg, parts.agent_cfg)  # config.json says what runs
     policy, tok = Policy.build(parts.model, cfg, par), parts.tokenizer  # LoRA, reference, DDP/FSDP2
     engine = make_engine(cfg.engine, policy.rollout_module(), tok, device=cfg.device, **cfg.engine_options)
@@ -166,6 +174,13 @@ def train(
         if note:
             console.print(note)
     sampler = get_sampler(cfg.sampler)
+    if cfg.dynamic_sampling and par.active:
+        raise ConfigError("dynamic_sampling runs in one process: drop it or run without torchrun/--nproc")
+
+    def roll(more: list[Any]) -> RolloutResult:  # dynamic sampling's further draws, counted as the first
+        before = engine_stats(engine)
+        return sampler(runner, more, sampler_cfg, run.pick_rng, run.gen).count_engine(before, engine_stats(engine))
+
     sampler_cfg = SamplerConfig(
         cfg.sampler, cfg.group_size, cfg.m, cfg.n, cfg.l, cfg.expand_mode, t=cfg.t, fork_score=cfg.fork_score,
         budget_tokens=cfg.budget_tokens,
@@ -232,6 +247,11 @@ def train(
             tool_stats = _tool_counters(runner, parts.env)  # evaluation's dropped: this rollout's only
             result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
             result.count_engine(before, engine_stats(engine))  # this rollout's: engine/* metrics
+            dyn = None
+            if cfg.dynamic_sampling:  # groups with no signal dropped, more prompts drawn (training/dynamic.py)
+                dyn = dynamic_rollout(result, tasks, roll, lambda k: run.draw_prompts(parts.train_tasks, k),
+                                      cfg.prompts_per_step, cfg.dynamic_sampling)  # fmt: skip
+                result, tasks = dyn.kept, dyn.tasks
             loop_stats, tools = runner.loop_stats.take(), (tool_stats.take() if tool_stats is not None else None)
             t1, c1 = time.perf_counter(), time.process_time()
             # 2. advantages, through the registry; one training sequence per leaf
@@ -247,15 +267,16 @@ def train(
             t2, c2 = time.perf_counter(), time.process_time()
             dt_roll, dt_upd, cpu_roll, cpu_upd = par.slowest(t1 - t0, t2 - t1, c1 - c0, c2 - c1)
             # 4. bookkeeping: metrics, evaluation, rollouts, checkpoint
-            budget = everything.total()
+            budget = (dyn.drawn if dyn else everything).total()  # dynamic sampling: every draw's cost
             tokens_before = run.totals["generated_tokens"]
             run.step = step
             run.account(
                 n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
             )
-            metrics.update(rollout_metrics(everything, n_traj))
+            metrics.update(rollout_metrics(dyn.drawn if dyn else everything, n_traj))
+            metrics.update(dyn.metrics if dyn else {})
             if tools is not None or runner.cfg.rollout_pipeline:  # tools with latency: where the time went
-                metrics.update(tool_metrics(loop_stats, tools, everything.forests))
+                metrics.update(tool_metrics(loop_stats, tools, (dyn.drawn if dyn else everything).forests))
             metrics["rollout/prompt_ids"] = [t.id for t in tasks]  # what this step trained on (every rank's)
             if rewards is not None:  # the reward functions' log_metric / log_extra (a trainer's name keeps its value)
                 metrics = {**rewards.log.drain(), **metrics}
@@ -291,7 +312,8 @@ def train(
                     f.extra["budget"] = b.to_dict()  # what this prompt's rollout cost (the viewer shows it)
                 write_forests(everything.forests, out / "rollouts" / f"step_{step:05d}.jsonl")
             console.print(step_line(step, metrics, label))
-            for warning in step_warnings(metrics) + alerts:
+            note = dynamic_note(metrics, cfg.prompts_per_step)  # None unless dynamic sampling ran short
+            for warning in step_warnings(metrics) + alerts + ([note] if note else []):
                 console.print(warning, markup=False, style="yellow")
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 run.wall_s = wall_before + time.perf_counter() - t_start

@@ -106,6 +106,7 @@ def update(
 
     Returns:
         metrics averaged over the mini-batches, plus ``update/packed`` (1.0 or 0.0),
+        ``update/skipped_prompts`` (forests with no policy token, :func:`trains`, when there are any),
         ``rollout/logprob_diff`` and ``update/positions``: the positions the training forwards ran
         (each micro-batch's rows × padded width, packed or per path), summed over the mini-batches
         (the no-grad forwards of the reference and old log-probs, when there are any, are not in it);
@@ -114,6 +115,15 @@ def update(
     """
     strict = cfg.packing == "on"
     par = policy.parallel
+    counts = par.gather([f.n_trajectories() if trains(f) else 0 for f in forests])  # a skipped forest: no path
+    selects = minibatch_selects(counts, par.rank, cfg.mini_batches)
+    keep = [i for i, f in enumerate(forests) if trains(f)]
+    skipped = len(forests) - len(keep)
+    if skipped:  # prompts longer than the context: no forward over them (not even the probe's)
+        forests, advantages = [forests[i] for i in keep], [advantages[i] for i in keep]
+        selects = [[mini[i] for i in keep] for mini in selects]
+    if not forests and not par.active:  # nothing to train on: no forward, no optimizer step
+        return {"update/packed": 0.0, **({"update/skipped_prompts": float(skipped)} if skipped else {})}
     packed = wants_packing(cfg, loss_cfg) and packing_supported(
         policy.local_module(),
         forests,
@@ -127,8 +137,6 @@ def update(
         packed = par.all_true(packed)
         if strict and not packed:
             raise RuntimeError("packing=on, but the model cannot train packed on some rank")
-    counts = par.gather([f.n_trajectories() for f in forests])
-    selects = minibatch_selects(counts, par.rank, cfg.mini_batches)
     if packed:
         metrics = update_packed(policy, optimizer, forests, advantages, cfg, loss_cfg, pad_id, selects)
         metrics["update/packed"] = 1.0
@@ -136,7 +144,16 @@ def update(
         seqs = forest_sequences(forests, advantages)
         metrics = update_paths(policy, optimizer, seqs, cfg, loss_cfg, pad_id, _flat(forests, selects))
         metrics["update/packed"] = 0.0
+    if skipped:
+        metrics["update/skipped_prompts"] = float(skipped)
     return metrics
+
+
+def trains(forest: Forest) -> bool:
+    """Whether ``forest`` has a policy token to train on. One without (every trajectory ended
+    before its first step: a prompt longer than the context) is skipped before any forward — it
+    would add nothing to the loss, and a forward over its whole prompt can take minutes."""
+    return any(any(p.policy_mask_T) for p in forest.paths())
 
 
 def _flat(forests: Sequence[Forest], selects: list[list[list[int]]]) -> list[list[int]]:

@@ -48,6 +48,14 @@ class WarmupConfig:
             batch (the same weighted mean, so the same step up to float rounding); 0 = the whole
             batch in one pass (the tiny agents' recipes). Real models need it: a batch of 8
             SmolLM2-135M demos of ~450 tokens in one pass peaked above 14 GB.
+        share_prefix: packed rows hold the prefix their demos share (the system prompt with the
+            tool schemas, :func:`shared_prefix_len`) once, each demo attending to it, as the RL
+            update does for a tree's shared tokens: the same loss and gradients up to float
+            rounding, less compute. A batch's demos are packed into rows of ``pack_len`` tokens
+            counting that prefix once, and each row is one forward/backward (``micro_batch_size``
+            then only says whether rows are accumulated one at a time, > 0, or run as one batch).
+            Off by default: the bootstraps and the committed warm-ups were made without it (float
+            rounding would move their weights in the last bits).
     """
 
     epochs: float = 6
@@ -60,6 +68,7 @@ class WarmupConfig:
     decision_weight: float = 1.0
     grad_clip: float = 1.0
     micro_batch_size: int = 0
+    share_prefix: bool = False
 
 
 @dataclass
@@ -140,6 +149,23 @@ def encode_demos(runner: StepRunner, demos: Sequence[Demo]) -> tuple[list[Encode
     return encoded, len(demos) - len(encoded)
 
 
+def demos_over_context(runner: StepRunner, demos: Sequence[Demo]) -> tuple[list[EncodedDemo], int, list[tuple[int, int]]]:
+    """:func:`encode_demos`, and ``(index into demos, tokens)`` of each encoded demo longer than
+    the loop's ``max_context_tokens``: the loop would end such a trajectory before its last steps,
+    so the warm-up would teach a context the policy never holds."""
+    encoded: list[EncodedDemo] = []
+    over: list[tuple[int, int]] = []
+    for i, d in enumerate(demos):
+        try:
+            e = encode_demo(runner, d)
+        except DemoTooLong:
+            continue
+        encoded.append(e)
+        if len(e.ids) > runner.cfg.max_context_tokens:
+            over.append((i, len(e.ids)))
+    return encoded, len(demos) - len(encoded), over
+
+
 def demo_texts(demos: Sequence[Demo], env: AgentEnv) -> list[str]:
     """Full demo transcripts (prompt, steps, observations), for tokenizer training."""
     return [env.prompt(d.task) + "".join(s + (o or "") for s, o in d.steps) for d in demos]
@@ -175,14 +201,44 @@ def _pack(lengths: Sequence[int], idx: Sequence[int], row_len: int) -> list[list
     return rows
 
 
+def shared_prefix_len(demos: Sequence[EncodedDemo]) -> int:
+    """How many leading tokens every one of ``demos`` shares and none trains on: their common
+    prefix, ending at least one token before any demo's first policy token (so that token is
+    still predicted from its own demo's previous token); 0 for fewer than two demos."""
+    if len(demos) < 2:
+        return 0
+    limit = min((e.policy_mask.index(1) if 1 in e.policy_mask else len(e.ids)) - 1 for e in demos)
+    first = demos[0].ids
+    n = 0
+    while n < limit and all(e.ids[n] == first[n] for e in demos[1:]):
+        n += 1
+    return max(0, n)
+
+
+def _pack_shared(encoded: Sequence[EncodedDemo], idx: Sequence[int], row_len: int) -> list[list[int]]:
+    """:func:`_pack` of demos ``idx`` counting the prefix they all share once per row: each demo
+    takes its tokens after that prefix, a row ``row_len`` less the prefix (a row's own shared
+    prefix, :func:`shared_prefix_len`, is at least as long, so no row ends up longer)."""
+    p = shared_prefix_len([encoded[i] for i in idx])
+    rest = {i: len(encoded[i].ids) - p for i in idx}
+    return _pack(rest, idx, row_len - p)  # type: ignore[arg-type]
+
+
 def _collate_packed(
-    encoded: Sequence[EncodedDemo], rows: Sequence[Sequence[int]], pad_id: int, decision_weight: float = 1.0
+    encoded: Sequence[EncodedDemo],
+    rows: Sequence[Sequence[int]],
+    pad_id: int,
+    decision_weight: float = 1.0,
+    share_prefix: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Like :func:`_collate`, several demos per row: positions restart at 0 for each demo and a 4D
-    additive attention mask keeps every demo causal and blind to the others in its row."""
+    additive attention mask keeps every demo causal and blind to the others in its row. With
+    ``share_prefix`` a row holds its demos' :func:`shared_prefix_len` tokens once, at its start:
+    each demo's remaining tokens follow at positions after it and attend to it."""
     singles = [[encoded[i] for i in row] for row in rows]
     flat = _collate([e for row in singles for e in row], pad_id, decision_weight)
-    width = max(sum(len(e.ids) for e in row) for row in singles)
+    shared = [shared_prefix_len(row) if share_prefix else 0 for row in singles]
+    width = max(p + sum(len(e.ids) - p for e in row) for p, row in zip(shared, singles, strict=True))
     n = len(rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     lab = torch.full((n, width), -100, dtype=torch.long)
@@ -190,15 +246,20 @@ def _collate_packed(
     pos = torch.zeros((n, width), dtype=torch.long)
     allowed = torch.zeros((n, width, width), dtype=torch.bool)
     k = 0
-    for r, row in enumerate(singles):
-        start = 0
+    for r, (row, p) in enumerate(zip(singles, shared, strict=True)):
+        if p:  # the shared prefix, once (no policy token in it: labels -100, weight 0)
+            ids[r, :p] = flat["input_ids"][k, :p]
+            pos[r, :p] = torch.arange(p)
+            allowed[r, :p, :p] = torch.ones((p, p), dtype=torch.bool).tril()
+        start = p
         for e in row:
-            m = len(e.ids)
-            ids[r, start : start + m] = flat["input_ids"][k, :m]
-            lab[r, start : start + m] = flat["labels"][k, :m]
-            wts[r, start : start + m] = flat["weights"][k, :m]
-            pos[r, start : start + m] = torch.arange(m)
+            m = len(e.ids) - p
+            ids[r, start : start + m] = flat["input_ids"][k, p : p + m]
+            lab[r, start : start + m] = flat["labels"][k, p : p + m]
+            wts[r, start : start + m] = flat["weights"][k, p : p + m]
+            pos[r, start : start + m] = torch.arange(p, p + m)
             allowed[r, start : start + m, start : start + m] = torch.ones((m, m), dtype=torch.bool).tril()
+            allowed[r, start : start + m, :p] = True
             start += m
             k += 1
         allowed[r, range(start, width), range(start, width)] = True  # padding sees itself (no empty rows)
@@ -338,6 +399,11 @@ def supervised_warmup(
         row_len = max(cfg.pack_len, *(lengths[i] for i in idx))
         return _collate_packed(encoded, _pack(lengths, idx, row_len), pad_id, cfg.decision_weight)
 
+    def shared_rows(idx: list[int]) -> list[dict[str, torch.Tensor]]:  # share_prefix: one forward per row
+        rows = _pack_shared(encoded, idx, max(cfg.pack_len, *(lengths[i] for i in idx)))
+        one = [rows] if cfg.micro_batch_size <= 0 else [[row] for row in rows]
+        return [_collate_packed(encoded, r, pad_id, cfg.decision_weight, share_prefix=True) for r in one]
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warm = max(1, int(cfg.warmup_frac * total))
 
@@ -360,7 +426,9 @@ def supervised_warmup(
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
-        if cfg.micro_batch_size > 0:  # gradients accumulated over micro-batches of demos
+        if cfg.share_prefix and cfg.pack_len > 0:  # packed rows holding their shared prefix once
+            val = _accumulated_step(model, shared_rows(idx))
+        elif cfg.micro_batch_size > 0:  # gradients accumulated over micro-batches of demos
             m = cfg.micro_batch_size
             val = _accumulated_step(model, [batch_of(idx[i : i + m]) for i in range(0, len(idx), m)])
         else:
@@ -391,10 +459,12 @@ __all__ = [
     "EncodedDemo",
     "WarmupConfig",
     "demo_texts",
+    "demos_over_context",
     "encode_demo",
     "end_of_turn_id",
     "policy_token_loss",
     "progress_line",
     "sft_steps",
+    "shared_prefix_len",
     "supervised_warmup",
 ]

@@ -42,7 +42,7 @@ from treegrpo.training.setup import build_run
 from treegrpo.training.warmup import (
     WARMUP_RECORD,
     WarmupConfig,
-    encode_demos,
+    demos_over_context,
     sft_steps,
     supervised_warmup,
 )
@@ -80,9 +80,10 @@ class WarmupRun:
     instead of the search task's made ones."""
 
 
-def sft_recipe(epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 4) -> WarmupConfig:
-    """:data:`REAL_MODEL_SFT` with these passes, learning rate and batch size."""
-    return dataclasses.replace(REAL_MODEL_SFT, epochs=epochs, lr=lr, batch_size=batch_size)
+def sft_recipe(epochs: float = 1.0, lr: float = 1e-4, batch_size: int = 4, share_prefix: bool = False) -> WarmupConfig:
+    """:data:`REAL_MODEL_SFT` with these passes, learning rate, batch size and prefix sharing
+    (:attr:`~treegrpo.training.warmup.WarmupConfig.share_prefix`)."""
+    return dataclasses.replace(REAL_MODEL_SFT, epochs=epochs, lr=lr, batch_size=batch_size, share_prefix=share_prefix)
 
 
 def run_warmup(
@@ -113,7 +114,15 @@ def run_warmup(
     if not demos:
         raise ConfigError(f"--data {cfg.data}: no question's search found its answer; check the retriever/corpus")
     encoder = StepRunner(None, env, tok, parts.agent_cfg)  # type: ignore[arg-type]  # encoding only
-    encoded, too_long = encode_demos(encoder, demos)
+    encoded, too_long, over = demos_over_context(encoder, demos)
+    if over:  # longer than the context the loop allows: one line naming the first, the fix
+        i, n = over[0]
+        source = run.demos_file.name if isinstance(run.demos_file, Path) else "demos"
+        raise ConfigError(
+            f"{source}: demo {i + 1} ({demos[i].task.question[:40]!r}) is {n} tokens, longer than max_context_tokens="
+            f"{encoder.cfg.max_context_tokens} (the agent loop would end it there); shorten it or raise "
+            f"--set max_context_tokens=N ({len(over)} demo(s) over)"
+        )
     if too_long:
         console.print(
             f"skipped {too_long} of {len(demos)} demos with a step over max_step_tokens="
