@@ -49,6 +49,11 @@ REPORTED: dict[str, tuple[str, str, str]] = {
     "multi_turn_tree_vs_chain_traj_per_1k": ("multi_turn/tree_2_2_1", "multi_turn/chain", "trajectories_per_1k_tokens"),
     "multi_turn_no_sharing_cpu_per_trajectory": ("multi_turn/tree_2_2_1_no_sharing", "multi_turn/tree_2_2_1", "cpu_s_per_trajectory"),
     "multi_turn_no_packing_cpu_per_trajectory": ("multi_turn/tree_2_2_1_no_packing", "multi_turn/tree_2_2_1", "cpu_s_per_trajectory"),
+    "long_completion_cpu_per_trajectory": ("long_completion/chain", "long_completion/trl", "cpu_s_per_trajectory"),
+    "long_completion_cpu_per_token": ("long_completion/chain", "long_completion/trl", "cpu_s_per_generated_token"),
+    "long_completion_rollout_cpu": ("long_completion/chain", "long_completion/trl", "rollout_cpu_s"),
+    "long_completion_update_cpu": ("long_completion/chain", "long_completion/trl", "update_cpu_s"),
+    "long_completion_peak_rss": ("long_completion/chain", "long_completion/trl", "peak_rss_gb"),
 }  # fmt: skip
 #: The most two rows' mean completion lengths may differ (either way) for a ratio between them.
 COMPLETION_LEN_TOLERANCE = 1.3
