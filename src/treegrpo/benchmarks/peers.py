@@ -12,7 +12,8 @@ in the model's own tool-call protocol: TRL's ``GRPOTrainer(tools=[search])`` and
 of :data:`ROWS` runs in a process of its own (:mod:`treegrpo.benchmarks.peers_rows`) with the same
 allocator setting, one at a time, ``repeats`` times interleaved; a row finished with the same
 settings is reused from ``work/rows/<row>/repeat_<r>/result.json``. The table
-(:mod:`treegrpo.benchmarks.peers_report`) keeps the per-step lists beside its medians.
+(:mod:`treegrpo.benchmarks.peers_figures`) keeps the per-step lists beside its medians; the docs' text:
+:mod:`treegrpo.benchmarks.peers_report`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.peers_differences import DIFFERENCES, TRL_TOOLS_DIFFERENCES
-from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
+from treegrpo.benchmarks.peers_figures import checks, plot, shared_settings, summarize
 from treegrpo.benchmarks.provenance import model_hash, provenance
 from treegrpo.benchmarks.runner import Log, digest, finished_row, keep_row, run_measured, write_result
 from treegrpo.envs.base import Task
