@@ -40,6 +40,8 @@ def _verdict(got: dict[str, Any]) -> str:
     spread = got.get("spread") or [got["ratio"]] * 2
     word = {True: "met", False: "missed", None: ""}[got.get("met")]
     target = f", target {got['target']}: **{word}**" if "target" in got else ""
+    if len(got.get("per_repeat") or []) < 2:  # one repeat: no spread to show
+        return f"{got['ratio']:.2f}× (one repeat){target}"
     return f"{got['ratio']:.2f}× ({spread[0]:.2f}–{spread[1]:.2f} over repeats){target}"
 
 
@@ -85,6 +87,10 @@ def _regime_line(results: dict[str, Any], job: str) -> str:
             f"tokens on average; G = {g['group_size']}, {g['turns']}.{path}")  # fmt: skip
 
 
+def _repeats(n: int) -> str:
+    return "one repeat, its rows one after the other" if n == 1 else f"{n} repeats interleaved"
+
+
 def markdown(results: dict[str, Any], differences: bool = True) -> str:
     """The tables docs/benchmarks.md shows, made from the results alone (a test holds the docs to
     this text): per job its regime and one line per row, then every ratio with its verdict and
@@ -92,8 +98,8 @@ def markdown(results: dict[str, Any], differences: bool = True) -> str:
     spec = results["spec"]
     out = [
         f"{spec['steps']} steps × {spec['prompts_per_step']} prompts, G = {spec['group_size']}, {spec['max_new_tokens']}-token cap "
-        f"per turn, {spec['repeats']} repeats interleaved (seeds {', '.join(map(str, results['environment']['seeds']))}), "
-        f"{spec['threads'] or 'default'} threads per row, `MALLOC_MMAP_THRESHOLD_={results['environment'].get('MALLOC_MMAP_THRESHOLD_', 'unset')}` "
+        f"per turn, {_repeats(spec['repeats'])} (seed{'s' * (spec['repeats'] > 1)} {', '.join(map(str, results['environment']['seeds']))}), "
+        f"{spec['threads'] or 'default'} thread{'s' * (spec['threads'] != 1)} per row, `MALLOC_MMAP_THRESHOLD_={results['environment'].get('MALLOC_MMAP_THRESHOLD_', 'unset')}` "
         f"in every row; medians of steps 2–{spec['steps']}, median (min–max) over repeats; held-out EM greedy on "
         f"{spec['eval_prompts']} questions.",
     ]  # fmt: skip
@@ -168,6 +174,7 @@ def readme_row(results: dict[str, Any], long: dict[str, Any] | None = None) -> s
             f"; long completions, where sharing helps least ({g['prompt_tokens']:.0f}-token prompts, {_gen(g)}-token "
             f"completions, one turn, G = {g['group_size']}{_threads(long, results)}): our chain {_ratio_text(lt.get('long_completion_cpu_per_trajectory'))} "
             f"TRL's CPU-s per trajectory, {_ratio_text(lt.get('long_completion_cpu_per_token'))} per generated token"
+            + (", one repeat" if long["spec"]["repeats"] == 1 else "")
         )
         cmds += f", `{command(long)}`"
     return f"{text} (medians over repeats; warm-ups and tables: docs/benchmarks.md) | {cmds} |"
