@@ -21,17 +21,26 @@ import pytest
 from test_result_schemas import committed, shape_problems
 from typer.testing import CliRunner
 
-from treegrpo.benchmarks.peers import LOSS_PAIRS, ROWS, SPEC_OWNED, PeersSpec, job_config, run_bench
+from treegrpo.benchmarks.peers import (
+    DEFAULT_JOBS,
+    LONG_COMPLETION_PROMPT,
+    LOSS_PAIRS,
+    ROWS,
+    SPEC_OWNED,
+    PeersSpec,
+    job_config,
+    run_bench,
+)
+from treegrpo.benchmarks.peers_figures import REPORTED, TARGETS, checks, steps_median, summarize
 from treegrpo.benchmarks.peers_report import (
     DOCS_BEGIN,
     DOCS_END,
+    DOCS_LONG_BEGIN,
+    DOCS_LONG_END,
     README_PREFIX,
-    TARGETS,
-    checks,
+    job_regime,
     markdown,
     readme_row,
-    steps_median,
-    summarize,
 )
 from treegrpo.cli import app
 from treegrpo.errors import ConfigError
@@ -93,7 +102,7 @@ def test_every_row_runs_and_the_results_hold_the_schema(bench: dict[str, Any]) -
         json.loads(out.read_text()) == json.loads(json.dumps(res))
         and out.with_suffix(".png").stat().st_size > 0
     )
-    assert set(rows) == set(ROWS)
+    assert set(rows) == {n for n in ROWS if ROWS[n]["job"] in DEFAULT_JOBS}
     # the keys and nesting of the committed results (rows: as the committed row of the same name)
     new, old = json.loads(out.read_text()), committed("peers.json")
     assert shape_problems({**new, "rows": []}, {**old, "rows": []}) == []
@@ -214,7 +223,7 @@ def test_both_sides_got_the_same_prompts_group_cap_and_lr(bench: dict[str, Any])
 def test_a_finished_row_is_reused(bench: dict[str, Any]) -> None:
     said: list[str] = []
     again = run_bench(bench["spec"], bench["tmp"] / "work", bench["tmp"] / "again.json", said.append)
-    assert sum("reusing" in s for s in said) == len(ROWS) + 1  # every row and the start evaluation
+    assert sum("reusing" in s for s in said) == len(bench["rows"]) + 1  # every row and the start evaluation
     assert again["rows"] == bench["res"]["rows"]
 
 
@@ -332,29 +341,98 @@ def test_prepare_only_writes_the_single_turn_files_and_the_warmup_command(smollm
 
 def test_docs_tables_are_the_committed_results(tmp_path: Path) -> None:
     """docs/benchmarks.md's tables and the README's row are what ``--write-docs`` makes from the
-    committed peers.json: regenerated from the JSON, never edited by hand."""
+    committed peers.json and peers_long.json: regenerated from the JSON, never edited by hand; given
+    either file as ``--out``, it reads the other from ``benchmarks/results/``."""
     root = Path(__file__).resolve().parents[2]
-    results = committed("peers.json")
+    results, long = committed("peers.json"), committed("peers_long.json")
     docs, readme = (root / "docs" / "benchmarks.md").read_text(), (root / "README.md").read_text()
     assert f"{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}" in docs
-    assert readme_row(results) + "\n" in readme
+    assert f"{DOCS_LONG_BEGIN}\n{markdown(long, differences=False)}{DOCS_LONG_END}" in docs
+    assert readme_row(results, long) + "\n" in readme
     # --write-docs rewrites a copy in place (and a file without the markers is a one-line error)
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "benchmarks.md").write_text(f"intro\n{DOCS_BEGIN}\nold\n{DOCS_END}\nafter\n")
-    (tmp_path / "README.md").write_text(f"| a | b |\n{README_PREFIX} old row |\n")
-    (tmp_path / "peers.json").write_text(json.dumps(results))
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "peers.json").write_text(json.dumps(results))
+    (tmp_path / "benchmarks" / "results" / "peers_long.json").write_text(json.dumps(long))
+    template = f"intro\n{DOCS_BEGIN}\nold\n{DOCS_END}\nmiddle\n{DOCS_LONG_BEGIN}\nold\n{DOCS_LONG_END}\nafter\n"
+    want = (f"intro\n{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}\nmiddle\n{DOCS_LONG_BEGIN}\n"
+            f"{markdown(long, differences=False)}{DOCS_LONG_END}\nafter\n")  # fmt: skip
     cwd = os.getcwd()
     try:
         os.chdir(tmp_path)
-        res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", "peers.json"])
-        assert res.exit_code == 0, res.output
-        assert (tmp_path / "docs" / "benchmarks.md").read_text() == f"intro\n{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}\nafter\n"
-        assert (tmp_path / "README.md").read_text() == f"| a | b |\n{readme_row(results)}\n"
-        (tmp_path / "docs" / "benchmarks.md").write_text("no markers\n")
-        res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", "peers.json"])
+        for out in ("benchmarks/results/peers.json", "benchmarks/results/peers_long.json"):
+            (tmp_path / "docs" / "benchmarks.md").write_text(template)
+            (tmp_path / "README.md").write_text(f"| a | b |\n{README_PREFIX} old row |\n")
+            res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", out])
+            assert res.exit_code == 0, res.output
+            assert (tmp_path / "docs" / "benchmarks.md").read_text() == want, out
+            assert (tmp_path / "README.md").read_text() == f"| a | b |\n{readme_row(results, long)}\n", out
+        (tmp_path / "docs" / "benchmarks.md").write_text(f"intro\n{DOCS_BEGIN}\nold\n{DOCS_END}\n")  # no long markers
+        res = CliRunner().invoke(app, ["bench", "peers", "--write-docs", "--out", "benchmarks/results/peers.json"])
         assert res.exit_code == 2 and "markers" in res.output and "Traceback" not in res.output
     finally:
         os.chdir(cwd)
+
+
+def test_the_readme_row_states_each_job_and_what_each_ratio_is_against() -> None:
+    """Read off the committed peers.json by hand: Tree-GRPO's trajectories per 1k generated tokens
+    are set against our chain (TRL 17.8, chain 17.6: the gain is the tree's, not the library's), and
+    the single-turn gain is stated with its regime and its source (packing off, our update costs
+    what TRL's does)."""
+    row = readme_row(committed("peers.json"))
+    assert "TRL 17.8, our chain 17.6, Tree-GRPO (2,2,1) 27.9 (1.59× our chain)" in row
+    assert "single-turn, 460-token prompts (3 passages), 8–9-token answers, G = 4: our chain 0.26× TRL's CPU-s" in row
+    assert "with packing off our update takes 0.96× TRL's CPU-s" in row
+    assert "1.57×" not in row  # the old headline: Tree-GRPO over TRL, read as the library's gain
+    assert "its fused LM head scoring every prompt position" in row
+
+
+def _regime_row(name: str, rep: int, prompts: list[list[int]], compact: bool | None) -> dict[str, Any]:
+    probes = {} if compact is None else {"probes": {"lm_head": {"compact": compact}}}
+    return {"name": name, "job": "single_turn", "system": name.split("/")[1] if "trl" in name else "treegrpo",
+            "repeat": rep, "prompts_seen": [[{"id": "q", "ids": [0] * n} for n in step] for step in prompts],
+            "settings": probes}  # fmt: skip
+
+
+def test_job_regime_is_read_off_the_rows() -> None:
+    """Per run, the median over steps 2..K of a step's mean prompt length; the median over repeats."""
+    rows = [
+        _regime_row("single_turn/trl", 0, [[3, 5], [10, 10], [2, 4]], compact=False),  # steps 2, 3: 10, 3 -> 6.5
+        _regime_row("single_turn/trl", 1, [[1, 1], [8, 8], [2, 2]], compact=False),  # 8, 2 -> 5.0
+        _regime_row("single_turn/chain", 0, [[3, 5], [10, 10], [2, 4]], compact=None),
+    ]
+    table = [{"name": "single_turn/trl", "job": "single_turn", "completion_len_mean": 9.0, "ablation": None},
+             {"name": "single_turn/chain", "job": "single_turn", "completion_len_mean": 8.0, "ablation": None},
+             {"name": "single_turn/chain_no_packing", "job": "single_turn", "completion_len_mean": 8.0,
+              "ablation": "packing off"}]  # fmt: skip
+    got = job_regime({"rows": rows, "table": table, "spec": {"group_size": 4, "max_turns": 4}}, "single_turn")
+    assert got["prompt_tokens"] == pytest.approx(5.75) and got["prompt_range"] == [1, 10]
+    assert got["completion"] == {"single_turn/trl": 9.0, "single_turn/chain": 8.0}
+    assert got["group_size"] == 4 and got["turns"] == "one turn" and got["trl_scores_prompt"] is True
+
+
+def test_long_completion_job_runs_both_sides_on_the_same_short_prompts(smollm2_2layer_dir: Path, tmp_path: Path) -> None:
+    """The opt-in job: the question alone with the long-reasoning instruction (no passages), one
+    turn, TRL and our chain on the same prompt ids and cap; its results hold peers_long.json's shape."""
+    _need_trl()
+    assert PeersSpec(model="unused").jobs == DEFAULT_JOBS == ("single_turn", "multi_turn")
+    spec = replace(_spec(smollm2_2layer_dir), jobs=("long_completion",))
+    res = run_bench(spec, tmp_path / "work", tmp_path / "long.json", lambda _: None)
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"long_completion/trl", "long_completion/chain"}
+    texts = [p["messages"][0]["content"] for p in res["prompts"]["long_completion"]]
+    assert all(t.startswith(LONG_COMPLETION_PROMPT.split("{", 1)[0]) and "<information>" not in t for t in texts)
+    trl, ours = rows["long_completion/trl"], rows["long_completion/chain"]
+    assert [[p["ids"] for p in s] for s in trl["prompts_seen"]] == [[p["ids"] for p in s] for s in ours["prompts_seen"]]
+    tc, oc = trl["settings"]["trl_config"], ours["settings"]["treegrpo_config"]
+    assert tc["max_completion_length"] == oc["max_step_tokens"] == 12 and oc["max_turns"] == 0
+    assert set(res["checks"]["reported"]) <= {k for k in REPORTED if k.startswith("long_completion")}
+    assert job_regime(res, "long_completion")["turns"] == "one turn"
+    new, old = json.loads((tmp_path / "long.json").read_text()), committed("peers_long.json")
+    assert shape_problems({**new, "rows": []}, {**old, "rows": []}) == []
+    for r in new["rows"]:
+        was = next(o for o in old["rows"] if o["name"] == r["name"])
+        assert list(r) == list(was) and shape_problems(r, was) == [], r["name"]
 
 
 def test_more_repeats_reuse_the_finished_ones(smollm2_2layer_dir: Path, tmp_path: Path) -> None:

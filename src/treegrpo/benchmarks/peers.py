@@ -3,13 +3,17 @@
 
 The jobs: ``single_turn`` (the question with its top-``topk`` BM25 passages in the prompt,
 :data:`SINGLE_TURN_PROMPT`, written once to ``work/job/`` with the job's warm-up demonstrations;
-treegrpo runs it as the data-file task with ``max_turns=0``) and ``multi_turn`` (the search agent
+treegrpo runs it as the data-file task with ``max_turns=0``), ``long_completion`` (opt-in, not in
+:data:`DEFAULT_JOBS`: the question alone with :data:`LONG_COMPLETION_PROMPT`, which asks for long
+step-by-step reasoning before the answer: short prompts, completions up to the token cap, one turn;
+the regime where prefix sharing and packing help least; run like ``single_turn``) and ``multi_turn`` (the search agent
 in the model's own tool-call protocol: TRL's ``GRPOTrainer(tools=[search])`` and treegrpo's
 ``protocol: tools`` over the same ``search`` function, chat template and starting folder). Each row
 of :data:`ROWS` runs in a process of its own (:mod:`treegrpo.benchmarks.peers_rows`) with the same
 allocator setting, one at a time, ``repeats`` times interleaved; a row finished with the same
 settings is reused from ``work/rows/<row>/repeat_<r>/result.json``. The table
-(:mod:`treegrpo.benchmarks.peers_report`) keeps the per-step lists beside its medians.
+(:mod:`treegrpo.benchmarks.peers_figures`) keeps the per-step lists beside its medians; the docs' text:
+:mod:`treegrpo.benchmarks.peers_report`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo.benchmarks.peers_differences import DIFFERENCES, TRL_TOOLS_DIFFERENCES
-from treegrpo.benchmarks.peers_report import checks, plot, shared_settings, summarize
+from treegrpo.benchmarks.peers_figures import checks, plot, shared_settings, summarize
 from treegrpo.benchmarks.provenance import model_hash, provenance
 from treegrpo.benchmarks.runner import Log, digest, finished_row, keep_row, run_measured, write_result
 from treegrpo.envs.base import Task
@@ -39,7 +43,13 @@ from treegrpo.tasks.datafile import search_env, search_query, split_tasks
 from treegrpo.training.config import TrainConfig
 from treegrpo.training.warmup import WARMUP_RECORD
 
-JOBS = ("single_turn", "multi_turn")
+JOBS = ("single_turn", "multi_turn", "long_completion")
+#: The jobs a run does unless ``jobs`` says otherwise (``long_completion`` is run on its own: its
+#: token cap differs).
+DEFAULT_JOBS = ("single_turn", "multi_turn")
+#: Jobs of one turn whose questions the bench writes into ``work/job/<job>_{train,eval}.jsonl``
+#: (``max_turns=0``, ``prompt_template="{question}"``).
+ONE_TURN_JOBS = ("single_turn", "long_completion")
 #: Warm-up demonstrations written for the single-turn job (:func:`single_turn_demos`).
 DEMOS = 96
 DEMO_WINDOW = 400
@@ -66,10 +76,20 @@ ROWS: dict[str, dict[str, Any]] = {
                                          "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1, "engine_options": {"prefix_reuse": False}}},
     "multi_turn/tree_2_2_1_no_packing": {"system": "treegrpo", "job": "multi_turn", "sampler": "tree", "ablation": "packing off",
                                          "fields": {"sampler": "tree", "m": 2, "n": 2, "l": 1, "packing": "off"}},
+    "long_completion/trl": {"system": "trl", "job": "long_completion", "sampler": "chain"},
+    "long_completion/chain": {"system": "treegrpo", "job": "long_completion", "sampler": "chain", "fields": {"sampler": "chain"}},
 }  # fmt: skip
 SINGLE_TURN_PROMPT = (
     "Answer the given question using the passages below. Give the answer inside <answer> and </answer>, "
     "without detailed illustrations. For example, <answer> Beijing </answer>.\n\n{passages}\n\nQuestion: {question}\n"
+)
+
+#: The long-completion job's prompt: the question alone, and an instruction that makes SmolLM2-135M
+#: write until the token cap (checked before the bench: 7 of 8 sampled completions ran to 256 tokens).
+LONG_COMPLETION_PROMPT = (
+    "Write a long, detailed essay of at least 400 words that reasons step by step about the question below: "
+    "go through every clue, what it could point to, and why. At the very end, give your final answer inside "
+    "<answer> and </answer>.\n\nQuestion: {question}\n"
 )
 
 
@@ -128,7 +148,7 @@ class PeersSpec:
     seed: int = 0
     threads: int = 0
     topk: int = 3
-    jobs: tuple[str, ...] = JOBS
+    jobs: tuple[str, ...] = DEFAULT_JOBS
     rows: tuple[str, ...] = tuple(ROWS)
     max_turns: int = 4
     max_obs_tokens: int = 600
@@ -182,11 +202,11 @@ def job_config(spec: PeersSpec, job: str, work: Path, **fields: Any) -> TrainCon
         "agg_mode": spec.loss, "lr": spec.lr, "steps": spec.steps, "prompts_per_step": spec.prompts_per_step,
         "gradient_checkpointing": True, "mini_batches": 1, "lr_schedule": "constant", "lr_warmup_steps": 0,
     }  # fmt: skip
-    if job == "single_turn":
+    if job in ONE_TURN_JOBS:
         if (obs := _agent_obs_format(folder)) is not None:
             common["obs_format"] = obs
         common.update(
-            data=str(work / "job" / "single_turn_train.jsonl"), eval_data=str(work / "job" / "single_turn_eval.jsonl"),
+            data=str(work / "job" / f"{job}_train.jsonl"), eval_data=str(work / "job" / f"{job}_eval.jsonl"),
             prompt_template="{question}", max_turns=0, protocol="tags",  # as recorded before protocol auto
         )  # fmt: skip
     else:
@@ -210,6 +230,11 @@ def single_turn_tasks(tasks: Sequence[Task], retriever: Any, topk: int) -> list[
              list(t.answers), t.data_source)
         for t, h in zip(tasks, hits, strict=True)
     ]  # fmt: skip
+
+
+def long_completion_tasks(tasks: Sequence[Task]) -> list[Task]:
+    """``tasks`` with the long-reasoning instruction around the question: :data:`LONG_COMPLETION_PROMPT`."""
+    return [Task(t.id, LONG_COMPLETION_PROMPT.format(question=t.question), list(t.answers), t.data_source) for t in tasks]
 
 
 def _write_jsonl(path: Path, tasks: Sequence[Task]) -> None:
@@ -244,6 +269,10 @@ def prepare_jobs(spec: PeersSpec, work: Path, log: Log) -> dict[str, Any]:
         _write_jsonl(work / "job" / "single_turn_eval.jsonl", single_turn_tasks(held_out, retriever, spec.topk))
         demos = "\n".join(json.dumps(d) for d in single_turn_demos(single, DEMOS))
         atomic_write_text(work / "job" / "single_turn_demos.jsonl", demos + "\n")
+    if "long_completion" in spec.jobs:
+        log(f"long-completion job: {len(train)} + {len(held_out)} questions, no passages")
+        _write_jsonl(work / "job" / "long_completion_train.jsonl", long_completion_tasks(train))
+        _write_jsonl(work / "job" / "long_completion_eval.jsonl", long_completion_tasks(held_out))
     for job in spec.jobs:
         cfg = job_config(spec, job, work)
         tok = load_tokenizer(job_model(spec, job))

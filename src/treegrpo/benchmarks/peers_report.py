@@ -1,250 +1,25 @@
-"""The table, checks and plot of ``bench peers``, from the rows' per-step lists.
+"""The text ``bench peers --write-docs`` makes from the results: docs/benchmarks.md's tables (one
+set from ``benchmarks/results/peers.json``, one from ``peers_long.json``, the long-completion job)
+and the README's results row, every figure read from the JSON (a test holds the docs to this text).
 
-A row runs ``repeats`` times (rows interleaved: every row of repeat 1, then every row of repeat 2,
-the same seed for every row of a repeat). Per run, each figure is the median over steps 2..K of a
-per-step figure (the first step is dropped as warm-up; with one step it is kept); a table line gives
-the median over the repeats and its spread (``spread``: min and max over the repeats).
-
-The figures: CPU seconds (rollout + update) per trajectory — the headline: a trajectory is the unit
-of learning signal, and CPU seconds are what a loaded machine does not inflate the way it inflates
-wall time — and per generated token; rollout and update CPU seconds; generated tokens (the model's
-own: tool results excluded) per step and per trajectory (``completion_len_mean`` / ``_max``);
-trajectories per 1k generated tokens; the work per phase (``prefill_positions``: positions run
-through the model in prefill, padding included, KV reused from a cache not; ``decode_steps`` and
-``decode_positions``: batched decode forwards and rows x those steps; ``update_positions``: positions
-of the update's forwards, padding included) and CPU-ms per position of each phase; the load
-(``cpu_per_wall``: CPU seconds per wall second per thread, 1.0 = the row had its threads to itself);
-peak RSS while training and held-out EM before and after.
-
-A ratio between two rows is paired by repeat (the same seed) and refused (``None``, with the
-reason) when the two rows' mean completion lengths differ by more than
-:data:`COMPLETION_LEN_TOLERANCE`: then the two sides did not do the same work per trajectory.
+Each job is stated with its regime (:func:`job_regime`: prompt tokens, completion tokens on each
+side, G, turns, and TRL's CPU path as its rows probed it), and every ratio names what it is against.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from treegrpo.benchmarks.runner import pyplot, save_figure
+from treegrpo.benchmarks.peers_figures import paired_ratio, steps_median
 from treegrpo.errors import ConfigError
 
-#: The issue's targets (this 2-core CPU, side by side in one run): (row, over row, figure, op, bound).
-TARGETS: dict[str, tuple[str, str, str, str, float]] = {
-    "single_turn_cpu_per_trajectory": ("single_turn/chain", "single_turn/trl", "cpu_s_per_trajectory", "<=", 0.35),
-    "single_turn_peak_rss": ("single_turn/chain", "single_turn/trl", "peak_rss_gb", "<=", 0.6),
-    "multi_turn_traj_per_1k": ("multi_turn/tree_2_2_1", "multi_turn/trl", "trajectories_per_1k_tokens", ">=", 1.25),
-    "multi_turn_cpu_per_trajectory": ("multi_turn/chain", "multi_turn/trl", "cpu_s_per_trajectory", "<=", 0.5),
-}  # fmt: skip
-#: Ratios reported without a target: each mechanism's share (an ablation over the row it ablates)
-#: and the figures the targets do not cover.
-REPORTED: dict[str, tuple[str, str, str]] = {
-    "single_turn_cpu_per_token": ("single_turn/chain", "single_turn/trl", "cpu_s_per_generated_token"),
-    "single_turn_no_sharing_cpu_per_trajectory": ("single_turn/chain_no_sharing", "single_turn/chain", "cpu_s_per_trajectory"),
-    "single_turn_no_packing_cpu_per_trajectory": ("single_turn/chain_no_packing", "single_turn/chain", "cpu_s_per_trajectory"),
-    "multi_turn_tree_cpu_per_trajectory": ("multi_turn/tree_2_2_1", "multi_turn/trl", "cpu_s_per_trajectory"),
-    "multi_turn_chain_peak_rss": ("multi_turn/chain", "multi_turn/trl", "peak_rss_gb"),
-    "multi_turn_tree_vs_chain_traj_per_1k": ("multi_turn/tree_2_2_1", "multi_turn/chain", "trajectories_per_1k_tokens"),
-    "multi_turn_no_sharing_cpu_per_trajectory": ("multi_turn/tree_2_2_1_no_sharing", "multi_turn/tree_2_2_1", "cpu_s_per_trajectory"),
-    "multi_turn_no_packing_cpu_per_trajectory": ("multi_turn/tree_2_2_1_no_packing", "multi_turn/tree_2_2_1", "cpu_s_per_trajectory"),
-}  # fmt: skip
-#: The most two rows' mean completion lengths may differ (either way) for a ratio between them.
-COMPLETION_LEN_TOLERANCE = 1.3
-#: Per-step lists a row may lack (a side that cannot count a phase): its figures are then ``None``.
-PHASES = ("prefill_positions", "decode_steps", "decode_positions", "update_positions")
-
-
-def steps_median(xs: Sequence[float | None]) -> float | None:
-    """The median over steps 2..K (all steps when there is only one); ``None`` if any is missing."""
-    xs = list(xs)
-    if not xs or any(x is None for x in xs):
-        return None
-    return float(statistics.median(xs[1:] if len(xs) > 1 else xs))  # type: ignore[type-var]
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b is not None and b > 0 else None
-
-
-def run_figures(r: dict[str, Any]) -> dict[str, Any]:
-    """One run's figures (module docstring): medians over its steps 2..K."""
-    roll, upd, gen, traj = r["rollout_cpu_s"], r["update_cpu_s"], r["generated_tokens"], r["trajectories"]
-    per = range(len(gen))
-    threads = max(1, int(r["settings"].get("threads") or 1))
-    phases = {k: r.get(k) or [None] * len(gen) for k in PHASES}
-    rolled = [None if phases["prefill_positions"][i] is None or phases["decode_positions"][i] is None
-              else phases["prefill_positions"][i] + phases["decode_positions"][i] for i in per]  # fmt: skip
-    return {
-        "step_wall_s": steps_median(r["step_wall_s"]),
-        "rollout_cpu_s": steps_median(roll),
-        "update_cpu_s": steps_median(upd),
-        "cpu_s_per_trajectory": steps_median([_ratio(roll[i] + upd[i], traj[i]) for i in per]),
-        "cpu_s_per_generated_token": steps_median([_ratio(roll[i] + upd[i], gen[i]) for i in per]),
-        "generated_tokens": steps_median(gen),
-        "trained_tokens": steps_median(r["trained_tokens"]),
-        "computed_tokens": steps_median(r["computed_tokens"]),
-        "trajectories": steps_median(traj),
-        "trajectories_per_1k_tokens": steps_median([_ratio(1000.0 * traj[i], gen[i]) for i in per]),
-        "generated_tokens_per_cpu_s": steps_median([_ratio(gen[i], roll[i]) for i in per]),
-        "trained_tokens_per_cpu_s": steps_median([_ratio(r["trained_tokens"][i], upd[i]) for i in per]),
-        "completion_len_mean": steps_median(r.get("completion_len_mean") or [None]),
-        "completion_len_max": max(r["completion_len_max"]) if r.get("completion_len_max") else None,
-        "tool_calls": steps_median(r.get("tool_calls") or [None]),
-        **{k: steps_median(v) for k, v in phases.items()},
-        "rollout_ms_per_position": steps_median([_ratio(1000.0 * roll[i], rolled[i]) for i in per]),
-        "update_ms_per_position": steps_median([_ratio(1000.0 * upd[i], phases["update_positions"][i]) for i in per]),
-        "cpu_per_wall": steps_median([_ratio(roll[i] + upd[i], r["step_wall_s"][i] * threads) for i in per]),
-        "peak_rss_gb": r["peak_rss_gb"],
-        "em_before": r["em_before"],
-        "em_after": r["em_after"],
-    }  # fmt: skip
-
-
-def _median(xs: Sequence[float | None]) -> float | None:
-    got = [x for x in xs if x is not None]
-    return float(statistics.median(got)) if got and len(got) == len(xs) else None
-
-
-def _spread(xs: Sequence[float | None]) -> list[float] | None:
-    return [min(xs), max(xs)] if xs and all(x is not None for x in xs) else None  # type: ignore[type-var]
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One table line per row name: each figure's median over the repeats, its ``spread``
-    (min, max over the repeats) and the held-out EM after of every repeat (``em_after_by_seed``)."""
-    out = []
-    for name in dict.fromkeys(r["name"] for r in rows):
-        runs = sorted((r for r in rows if r["name"] == name), key=lambda r: r.get("repeat", 0))
-        figs = [run_figures(r) for r in runs]
-        line: dict[str, Any] = {k: runs[0][k] for k in ("name", "system", "job", "sampler", "steps")}
-        line["ablation"] = runs[0].get("ablation")
-        line["repeats"] = len(runs)
-        line.update({k: _median([f[k] for f in figs]) for k in figs[0]})
-        longest = _spread([f["completion_len_max"] for f in figs])
-        line["completion_len_max"] = longest[1] if longest else None  # the longest completion of any repeat
-        line["spread"] = {k: _spread([f[k] for f in figs]) for k in figs[0]}
-        line["em_after_by_seed"] = {str(r["settings"].get("seed")): r["em_after"] for r in runs}
-        out.append(line)
-    return out
-
-
-#: The settings every row records (``settings``) that both sides must share on a job.
-SHARED = ("model_dir", "group_size", "max_new_tokens", "lr", "threads", "versions", "malloc_mmap_threshold")
-
-
-def shared_settings(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per job, each :data:`SHARED` setting as the rows recorded it: the value when every row of
-    the job agrees, else ``{row: value}`` (Tree-GRPO's group is its trajectories per prompt)."""
-    out: dict[str, dict[str, Any]] = {}
-    for job in dict.fromkeys(r["job"] for r in rows):
-        mine = [r for r in rows if r["job"] == job]
-        out[job] = {}
-        for key in SHARED:
-            values = {r["name"]: r["settings"].get(key) for r in mine}
-            same = all(v == next(iter(values.values())) for v in values.values())
-            out[job][key] = next(iter(values.values())) if same else values
-    return out
-
-
-def paired_ratio(rows: Sequence[dict[str, Any]], a: str, b: str, figure: str) -> dict[str, Any] | None:
-    """Row ``a``'s ``figure`` over row ``b``'s, per repeat (the same seed), with its median and
-    spread; ``None`` when a row is missing. Refused (``ratio: None`` and ``refused``: why) when the
-    rows' mean completion lengths differ by more than :data:`COMPLETION_LEN_TOLERANCE`."""
-    fa = {r.get("repeat", 0): run_figures(r) for r in rows if r["name"] == a}
-    fb = {r.get("repeat", 0): run_figures(r) for r in rows if r["name"] == b}
-    reps = sorted(set(fa) & set(fb))
-    if not reps:
-        return None
-    per = [_ratio(fa[k][figure], fb[k][figure]) for k in reps]
-    la = _median([fa[k]["completion_len_mean"] for k in reps])
-    lb = _median([fb[k]["completion_len_mean"] for k in reps])
-    lens = _ratio(la, lb)
-    out: dict[str, Any] = {"rows": [a, b], "figure": figure, "repeats": reps, "per_repeat": per,
-                           "completion_len_mean": [la, lb], "completion_len_ratio": lens, "refused": None}  # fmt: skip
-    if lens is None:
-        out["refused"] = "a row recorded no completion lengths: the two sides' work per trajectory is not known to match"
-    elif max(lens, 1 / lens) > COMPLETION_LEN_TOLERANCE:
-        out["refused"] = (f"mean completion lengths {la:.1f} vs {lb:.1f} tokens differ by {max(lens, 1 / lens):.2f}x "
-                          f"> {COMPLETION_LEN_TOLERANCE}x: the two sides did not stop alike")  # fmt: skip
-    ok = out["refused"] is None and all(x is not None for x in per)
-    out["ratio"] = float(statistics.median(per)) if ok else None  # type: ignore[type-var]
-    out["spread"] = [min(per), max(per)] if ok else None  # type: ignore[type-var]
-    return out
-
-
-def em_pairs(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per job, every treegrpo row's held-out EM after against the TRL row's, paired by seed."""
-    out: dict[str, Any] = {}
-    for job in dict.fromkeys(r["job"] for r in rows):
-        trl = {r["settings"].get("seed"): r["em_after"] for r in rows if r["job"] == job and r["system"] == "trl"}
-        for name in dict.fromkeys(r["name"] for r in rows if r["job"] == job and r["system"] != "trl"):
-            mine = {r["settings"].get("seed"): r["em_after"] for r in rows if r["name"] == name}
-            seeds = sorted(set(trl) & set(mine))
-            if seeds:
-                diffs = [mine[s] - trl[s] for s in seeds]
-                out[name] = {"seeds": seeds, "row": [mine[s] for s in seeds], "trl": [trl[s] for s in seeds],
-                             "diff_mean": statistics.fmean(diffs), "wins": sum(d > 0 for d in diffs),
-                             "ties": sum(d == 0 for d in diffs)}  # fmt: skip
-    return out
-
-
-def checks(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The targets, measured as paired ratios (:func:`paired_ratio`; ``met`` is ``None`` when the
-    ratio is refused or a row is missing), the ratios without a target, and the paired EM."""
-    targets: dict[str, Any] = {}
-    for key, (a, b, figure, op, bound) in TARGETS.items():
-        got = paired_ratio(rows, a, b, figure)
-        met = None if got is None or got["ratio"] is None else (got["ratio"] <= bound if op == "<=" else got["ratio"] >= bound)
-        targets[key] = {**(got or {"rows": [a, b], "figure": figure, "ratio": None, "refused": "a row did not run"}),
-                        "target": f"{op} {bound}", "met": met}  # fmt: skip
-    reported = {key: paired_ratio(rows, a, b, f) for key, (a, b, f) in REPORTED.items()}
-    return {"targets": targets, "reported": {k: v for k, v in reported.items() if v is not None}, "em": em_pairs(rows)}
-
-
-def plot(results: dict[str, Any], png: Path) -> None:
-    """CPU seconds per trajectory (rollout / update, spread over repeats), CPU-ms per position of
-    each phase, peak RSS and held-out EM after (median over repeats), per row."""
-    plt = pyplot()
-    table = results["table"]
-    names = [t["name"].replace("/", "\n") for t in table]
-    xs = list(range(len(table)))
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
-    ax = axes[0]
-    roll = [(t["rollout_cpu_s"] or 0) / max(t["trajectories"] or 1, 1) for t in table]
-    upd = [(t["update_cpu_s"] or 0) / max(t["trajectories"] or 1, 1) for t in table]
-    ax.bar(xs, roll, color="C0", label="rollout")
-    ax.bar(xs, upd, bottom=roll, color="C1", label="update")
-    for x, t in zip(xs, table, strict=True):
-        if (s := t["spread"].get("cpu_s_per_trajectory")) is not None:
-            ax.plot([x, x], s, color="k", lw=2)
-    ax.set_xticks(xs, names, fontsize=7)
-    ax.set_ylabel("CPU-s per trajectory (median step; bar: spread over repeats)")
-    ax.set_title("cost per trajectory")
-    ax.legend()
-    ax = axes[1]
-    ax.bar([x - 0.2 for x in xs], [t["rollout_ms_per_position"] or 0 for t in table], 0.4, label="rollout (prefill + decode)")
-    ax.bar([x + 0.2 for x in xs], [t["update_ms_per_position"] or 0 for t in table], 0.4, label="update")
-    ax.set_xticks(xs, names, fontsize=7)
-    ax.set_ylabel("CPU-ms per position computed")
-    ax.set_title("cost per position, by phase")
-    ax.legend()
-    ax = axes[2]
-    ax.bar(xs, [t["peak_rss_gb"] or 0 for t in table], color="C2")
-    ax.set_xticks(xs, names, fontsize=7)
-    ax.set_ylabel("peak RSS while training, GB")
-    ax.set_title("memory (the same allocator setting)")
-    ax = axes[3]
-    ax.bar([x - 0.2 for x in xs], [t["em_before"] or 0 for t in table], 0.4, label="before")
-    ax.bar([x + 0.2 for x in xs], [t["em_after"] or 0 for t in table], 0.4, label="after (median over seeds)")
-    ax.set_xticks(xs, names, fontsize=7)
-    ax.set_ylim(0, 1)
-    steps = results["spec"]["steps"]
-    ax.set_title(f"held-out EM (greedy), {steps} steps")
-    ax.legend()
-    fig.suptitle("treegrpo vs TRL GRPOTrainer on the same jobs, equal stopping and allocator")
-    save_figure(fig, png)
+#: The results files, in ``benchmarks/results/`` under the README's folder.
+MAIN_RESULTS, LONG_RESULTS = "peers.json", "peers_long.json"
+#: The job run on its own into :data:`LONG_RESULTS`.
+LONG_JOB = "long_completion"
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
@@ -265,6 +40,8 @@ def _verdict(got: dict[str, Any]) -> str:
     spread = got.get("spread") or [got["ratio"]] * 2
     word = {True: "met", False: "missed", None: ""}[got.get("met")]
     target = f", target {got['target']}: **{word}**" if "target" in got else ""
+    if len(got.get("per_repeat") or []) < 2:  # one repeat: no spread to show
+        return f"{got['ratio']:.2f}× (one repeat){target}"
     return f"{got['ratio']:.2f}× ({spread[0]:.2f}–{spread[1]:.2f} over repeats){target}"
 
 
@@ -276,14 +53,53 @@ LABELS = {
 }  # fmt: skip
 
 
-def markdown(results: dict[str, Any]) -> str:
+def job_regime(results: dict[str, Any], job: str) -> dict[str, Any]:
+    """What ``job`` was, from its rows: ``prompt_tokens`` (per run, the median over steps 2..K of a
+    step's mean prompt length, as the table's figures; then the median over repeats), ``prompt_range``
+    (the shortest and longest prompt seen), ``completion`` (each row's mean model tokens per
+    trajectory, from the table; an ablation row's are its base row's), ``group_size``, ``turns`` and ``trl_scores_prompt`` (TRL's fused LM
+    head scored every prompt position: its ``lm_head`` probe said not ``compact``; ``None``: no probe)."""
+    rows = [r for r in results["rows"] if r["job"] == job]
+    first = min(rows, key=lambda r: (r["system"] != "trl", r.get("repeat", 0)))
+    runs = [r for r in rows if r["name"] == first["name"]]
+    lengths = [[len(p["ids"]) for p in step] for r in runs for step in r["prompts_seen"]]
+    per_run = [steps_median([statistics.fmean(len(p["ids"]) for p in step) for step in r["prompts_seen"]]) for r in runs]
+    probe = next((r["settings"].get("probes", {}).get("lm_head") for r in rows if r["system"] == "trl"), None)
+    spec = results["spec"]
+    return {
+        "prompt_tokens": statistics.median(x for x in per_run if x is not None),
+        "prompt_range": [min(map(min, lengths)), max(map(max, lengths))],
+        "completion": {t["name"]: t["completion_len_mean"] for t in results["table"] if t["job"] == job and not t.get("ablation")},
+        "group_size": spec["group_size"],
+        "turns": f"up to {spec['max_turns'] + 1} turns" if job == "multi_turn" else "one turn",
+        "trl_scores_prompt": None if probe is None else not probe.get("compact", True),
+    }
+
+
+def _regime_line(results: dict[str, Any], job: str) -> str:
+    """One sentence: the job's prompts, completions (each row), G and turns, and TRL's CPU path."""
+    g = job_regime(results, job)
+    lo, hi = g["prompt_range"]
+    done = ", ".join(f"{_num(c, '.1f')} ({LABELS.get(n.split('/', 1)[1], n)})" for n, c in g["completion"].items())
+    path = (" TRL runs its CPU path: each prompt prefilled and trained G times, no KV kept between calls, its fused "
+            "LM head scoring every prompt and completion position." if g["trl_scores_prompt"] else "")  # fmt: skip
+    return (f"Prompts of {g['prompt_tokens']:.0f} tokens (a step's mean; {lo}–{hi}); completions of {done} model "
+            f"tokens on average; G = {g['group_size']}, {g['turns']}.{path}")  # fmt: skip
+
+
+def _repeats(n: int) -> str:
+    return "one repeat, its rows one after the other" if n == 1 else f"{n} repeats interleaved"
+
+
+def markdown(results: dict[str, Any], differences: bool = True) -> str:
     """The tables docs/benchmarks.md shows, made from the results alone (a test holds the docs to
-    this text): per job one line per row, then every ratio with its verdict."""
+    this text): per job its regime and one line per row, then every ratio with its verdict and
+    (``differences``) where the two sides still differ."""
     spec = results["spec"]
     out = [
         f"{spec['steps']} steps × {spec['prompts_per_step']} prompts, G = {spec['group_size']}, {spec['max_new_tokens']}-token cap "
-        f"per turn, {spec['repeats']} repeats interleaved (seeds {', '.join(map(str, results['environment']['seeds']))}), "
-        f"{spec['threads'] or 'default'} threads per row, `MALLOC_MMAP_THRESHOLD_={results['environment'].get('MALLOC_MMAP_THRESHOLD_', 'unset')}` "
+        f"per turn, {_repeats(spec['repeats'])} (seed{'s' * (spec['repeats'] > 1)} {', '.join(map(str, results['environment']['seeds']))}), "
+        f"{spec['threads'] or 'default'} thread{'s' * (spec['threads'] != 1)} per row, `MALLOC_MMAP_THRESHOLD_={results['environment'].get('MALLOC_MMAP_THRESHOLD_', 'unset')}` "
         f"in every row; medians of steps 2–{spec['steps']}, median (min–max) over repeats; held-out EM greedy on "
         f"{spec['eval_prompts']} questions.",
     ]  # fmt: skip
@@ -291,7 +107,7 @@ def markdown(results: dict[str, Any]) -> str:
             "| trajectories per 1k generated | prefill / decode / update positions per step | CPU-ms per position (rollout / update) "
             "| peak RSS GB | CPU/wall per thread | EM before → after (by seed) |")  # fmt: skip
     for job in dict.fromkeys(t["job"] for t in results["table"]):
-        out += ["", f"**{job.replace('_', '-')}**", "", head, "|" + "---|" * 11]
+        out += ["", f"**{job.replace('_', '-')}**. {_regime_line(results, job)}", "", head, "|" + "---|" * 11]
         for t in (t for t in results["table"] if t["job"] == job):
             em = ", ".join(f"{v:.3f}" for v in t["em_after_by_seed"].values())
             out.append(
@@ -305,8 +121,13 @@ def markdown(results: dict[str, Any]) -> str:
             )  # fmt: skip
     checks_ = results["checks"]
     out += ["", "| ratio (paired by repeat) | rows | measured |", "|---|---|---|"]
+    jobs = set(results["spec"]["jobs"])
     for key, got in {**checks_["targets"], **checks_["reported"]}.items():
+        if got["rows"][0].split("/", 1)[0] not in jobs:  # a target of a job this run did not do
+            continue
         out.append(f"| {key} | {' / '.join(got['rows'])}, {got['figure']} | {_verdict(got)} |")
+    if not differences:
+        return "\n".join(out) + "\n"
     out += ["", "Where the two sides still differ (both jobs, then the multi-turn job's tool loop; the reasons are in the "
             "results, `settings.differences*`):", "", "| setting | TRL | treegrpo |", "|---|---|---|"]  # fmt: skip
     settings = results["settings"]
@@ -320,51 +141,113 @@ def _flat(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def readme_row(results: dict[str, Any]) -> str:
-    """The README's results row, from the results alone."""
-    t = results["checks"]["targets"]
+def _ratio_text(got: dict[str, Any] | None) -> str:
+    return "not reported" if got is None or got.get("ratio") is None else f"{got['ratio']:.2f}×"
 
-    def r(key: str) -> str:
-        got = t[key]
-        return "not reported" if got.get("ratio") is None else f"{got['ratio']:.2f}×"
 
-    return (
-        "| treegrpo vs TRL `GRPOTrainer` (SmolLM2-135M, same jobs, both stopping at the end-of-turn token, same allocator) "
-        f"| single-turn: chain {r('single_turn_cpu_per_trajectory')} TRL's CPU-s per trajectory, {r('single_turn_peak_rss')} "
-        f"its peak RSS; multi-turn search through TRL's `tools=`: Tree-GRPO (2,2,1) {r('multi_turn_traj_per_1k')} TRL's "
-        f"trajectories per 1k generated tokens, chain {r('multi_turn_cpu_per_trajectory')} its CPU-s per trajectory "
-        f"(medians over repeats; warm-ups and tables: docs/benchmarks.md) | `{command(results)}` |"
+def readme_row(results: dict[str, Any], long: dict[str, Any] | None = None) -> str:
+    """The README's results row, from ``results`` (peers.json) and ``long`` (peers_long.json, if
+    measured) alone: each job with its regime, each ratio with what it is against."""
+    checks_, rows = results["checks"], results["rows"]
+    t = {**checks_["targets"], **checks_["reported"]}
+    r = {key: _ratio_text(t.get(key)) for key in t}
+    single, multi = job_regime(results, "single_turn"), job_regime(results, "multi_turn")
+    update = _ratio_text(paired_ratio(rows, "single_turn/chain_no_packing", "single_turn/trl", "update_cpu_s"))
+    per_1k = {t_["name"].split("/", 1)[1]: _num(t_["trajectories_per_1k_tokens"], ".1f")
+              for t_ in results["table"] if t_["job"] == "multi_turn"}  # fmt: skip
+    text = (
+        f"| treegrpo vs TRL `GRPOTrainer` (SmolLM2-135M, {results['spec']['threads'] or 'default'} threads; same jobs, stopping and allocator; TRL on its CPU "
+        "path: a prompt prefilled and trained G times, no KV reuse, its fused LM head scoring every prompt position) "
+        f"| single-turn, {single['prompt_tokens']:.0f}-token prompts (3 passages), {_gen(single)}-token answers, "
+        f"G = {single['group_size']}: our chain {r['single_turn_cpu_per_trajectory']} TRL's CPU-s per trajectory, "
+        f"{r['single_turn_peak_rss']} its peak RSS (the prompt computed once per group: with packing off our update "
+        f"takes {update} TRL's CPU-s); multi-turn search through TRL's `tools=` ({multi['prompt_tokens']:.0f}-token "
+        f"prompts, {_gen(multi)} model tokens per trajectory): trajectories per 1k generated tokens TRL "
+        f"{per_1k.get('trl', '—')}, our chain {per_1k.get('chain', '—')}, Tree-GRPO (2,2,1) {per_1k.get('tree_2_2_1', '—')} "
+        f"({r['multi_turn_tree_vs_chain_traj_per_1k']} our chain); our chain {r['multi_turn_cpu_per_trajectory']} "
+        "TRL's CPU-s per trajectory"
     )
+    cmds = f"`{command(results)}`"
+    if long is not None:
+        g, lt = job_regime(long, LONG_JOB), {**long["checks"]["targets"], **long["checks"]["reported"]}
+        text += (
+            f"; long completions, where sharing helps least ({g['prompt_tokens']:.0f}-token prompts, {_gen(g)}-token "
+            f"completions, one turn, G = {g['group_size']}{_threads(long, results)}): our chain {_ratio_text(lt.get('long_completion_cpu_per_trajectory'))} "
+            f"TRL's CPU-s per trajectory, {_ratio_text(lt.get('long_completion_cpu_per_token'))} per generated token"
+            + (", one repeat" if long["spec"]["repeats"] == 1 else "")
+        )
+        cmds += f", `{command(long)}`"
+    return f"{text} (medians over repeats; warm-ups and tables: docs/benchmarks.md) | {cmds} |"
+
+
+def _threads(results: dict[str, Any], main: dict[str, Any]) -> str:
+    """``, N threads`` when ``results`` ran on other torch threads than ``main``, else nothing."""
+    n = results["spec"]["threads"]
+    return "" if n == main["spec"]["threads"] else f", {n or 'default'} thread{'s' * (n != 1)}"
+
+
+def _gen(regime: dict[str, Any]) -> str:
+    """The job's completion length: both sides' means, as ``a–b`` when they differ at that precision."""
+    got = sorted({f"{c:.0f}" for c in regime["completion"].values() if c is not None}, key=float)
+    return "–".join([got[0], got[-1]] if len(got) > 1 else got) or "—"
 
 
 def command(results: dict[str, Any], single: str = "runs/peers-single-warm", tools: str = "runs/smol-warm-tools") -> str:
-    """The ``bench peers`` command of ``results`` with the docs' folder names."""
+    """The ``bench peers`` command of ``results`` with the docs' folder names (the long-completion
+    job: its own ``--model`` as run, ``--jobs`` and ``--out``)."""
     spec = results["spec"]
+    if list(spec["jobs"]) == [LONG_JOB]:
+        start = f"--model {spec['model']} --jobs {LONG_JOB} --out benchmarks/results/{LONG_RESULTS}"
+    else:
+        start = f"--model {single} --tools-model {tools}"
     return (
-        f"treegrpo bench peers --model {single} --tools-model {tools} --steps {spec['steps']} --repeats {spec['repeats']} "
+        f"treegrpo bench peers {start} --steps {spec['steps']} --repeats {spec['repeats']} "
         f"--threads {spec['threads']} --eval-prompts {spec['eval_prompts']} --max-new-tokens {spec['max_new_tokens']}"
     )
 
 
-#: The markers around the generated tables in docs/benchmarks.md.
+#: The markers around the generated tables in docs/benchmarks.md: peers.json's, then peers_long.json's.
 DOCS_BEGIN = "<!-- bench peers tables: made by `treegrpo bench peers --write-docs` from benchmarks/results/peers.json -->"
 DOCS_END = "<!-- end of the bench peers tables -->"
+DOCS_LONG_BEGIN = ("<!-- bench peers long-completion tables: made by `treegrpo bench peers --write-docs` from "
+                   "benchmarks/results/peers_long.json -->")  # fmt: skip
+DOCS_LONG_END = "<!-- end of the bench peers long-completion tables -->"
 #: The start of the README's results row (the row is replaced whole).
 README_PREFIX = "| treegrpo vs TRL `GRPOTrainer`"
 
 
+def _replace(docs: Path, text: str, begin: str, end: str, body: str) -> str:
+    if begin not in text or end not in text:
+        raise ConfigError(f"{docs}: no generated-tables markers ({begin} ... {end}); add them where the tables go")
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}"
+
+
 def write_docs(results: dict[str, Any], docs: Path, readme: Path) -> None:
-    """Replace the tables between :data:`DOCS_BEGIN` and :data:`DOCS_END` in ``docs`` with
-    :func:`markdown` of ``results``, and the README row starting with :data:`README_PREFIX` with
-    :func:`readme_row`; a file without its marker or row is an error naming it."""
-    text = docs.read_text()
-    if DOCS_BEGIN not in text or DOCS_END not in text:
-        raise ConfigError(f"{docs}: no generated-tables markers ({DOCS_BEGIN} ... {DOCS_END}); add them where the tables go")
-    head, rest = text.split(DOCS_BEGIN, 1)
-    docs.write_text(f"{head}{DOCS_BEGIN}\n{markdown(results)}{DOCS_END}{rest.split(DOCS_END, 1)[1]}")
+    """Rewrite ``docs``' generated tables and the README's row (starting with :data:`README_PREFIX`)
+    from ``results`` and its companion in ``benchmarks/results/`` next to ``readme``: given peers.json,
+    peers_long.json when measured; given peers_long.json (its job alone), peers.json. Tables go
+    between :data:`DOCS_BEGIN` / :data:`DOCS_END` (and :data:`DOCS_LONG_BEGIN` / :data:`DOCS_LONG_END`);
+    a file without its markers or row is an error naming it."""
+    folder = readme.parent / "benchmarks" / "results"
+    if list(results["spec"]["jobs"]) == [LONG_JOB]:
+        main, long = _load(folder / MAIN_RESULTS), results
+    else:
+        main, long = results, (_load(folder / LONG_RESULTS) if (folder / LONG_RESULTS).is_file() else None)
+    text = _replace(docs, docs.read_text(), DOCS_BEGIN, DOCS_END, markdown(main))
+    if long is not None:
+        text = _replace(docs, text, DOCS_LONG_BEGIN, DOCS_LONG_END, markdown(long, differences=False))
     lines = readme.read_text().splitlines(keepends=True)
     at = [i for i, x in enumerate(lines) if x.startswith(README_PREFIX)]
     if len(at) != 1:
         raise ConfigError(f"{readme}: expected one results row starting with {README_PREFIX!r}, found {len(at)}")
-    lines[at[0]] = readme_row(results) + "\n"
+    lines[at[0]] = readme_row(main, long) + "\n"
+    docs.write_text(text)
     readme.write_text("".join(lines))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the bench peers results ({e}); run the bench or pass them as --out") from None

@@ -13,8 +13,9 @@ The settings that make it the same job: ``num_generations=G``, T=1 (top-p 1, top
 ``shuffle_dataset=False`` over the prompts laid out in the order treegrpo draws them, the same seed;
 the agent limits are treegrpo's as its run resolves them (``treegrpo.training.setup.agent_config``).
 
-``single_turn``: ``max_completion_length`` = the token cap (``max_step_tokens``); the reward is the
-search env's own scoring of the completion's first action (``env.step``).
+``single_turn`` and ``long_completion`` (one turn each): ``max_completion_length`` = the token cap
+(``max_step_tokens``); the reward is the search env's own scoring of the completion's first action
+(``env.step``).
 
 ``multi_turn`` (``protocol="tools"``, the model's own tool calling; the model folder's chat template,
 ``chatml-tools`` for SmolLM2, as a ``--protocol tools`` warm-up saves it):
@@ -77,7 +78,7 @@ from treegrpo.training.metrics import peak_rss_gb
 from treegrpo.training.setup import _warmup_agent, agent_config
 
 #: The jobs a TRL row runs (``task["job"]``).
-TRL_JOBS: tuple[str, ...] = ("single_turn", "multi_turn")
+TRL_JOBS: tuple[str, ...] = ("single_turn", "multi_turn", "long_completion")
 
 
 def trl_args(
@@ -240,8 +241,8 @@ def job_setup(
     agent: AgentConfig,
 ) -> JobSetup:
     """The job switch of :func:`trl_row` (module docstring): the env, tools, reward, budget and
-    tool rounds of ``single_turn`` or ``multi_turn``."""
-    if job == "single_turn":
+    tool rounds of ``single_turn`` / ``long_completion`` (one turn) or ``multi_turn``."""
+    if job in ("single_turn", "long_completion"):
         env = search_env(cfg, tiny=False)
         setup = JobSetup(env, [], _single_turn_reward(env, tasks), agent.max_step_tokens, None, agent)
     elif job == "multi_turn":
@@ -338,7 +339,7 @@ def trl_row(
     evaluate_model: Callable[[TrainConfig], dict[str, float]],
     common_settings: Callable[[TrainConfig], dict[str, Any]],
 ) -> dict[str, Any]:
-    """Train with ``GRPOTrainer`` on the job ``task["job"]`` (``single_turn`` | ``multi_turn``;
+    """Train with ``GRPOTrainer`` on the job ``task["job"]`` (one of :data:`TRL_JOBS`;
     default single-turn) of ``task["config"]`` in ``task["order"]`` with ``task["trl_loss"]``, save
     the model into ``task["out"]/model``, evaluate it with ``evaluate_model`` (treegrpo's
     evaluation); the row's record (per-step lists, the evaluation before and after, the settings)."""
