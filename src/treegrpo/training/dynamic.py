@@ -6,7 +6,7 @@ a rollout and teaches nothing. With ``dynamic_sampling = K`` (> 0) a step drops 
 while fewer than ``prompts_per_step`` groups carry a signal, draws another ``prompts_per_step``
 prompts from the run's prompt stream and rolls them out — at most ``K`` extra draws. It trains on
 the first ``prompts_per_step`` informative groups in the order they were drawn (fewer when the
-draws run out; none when no group carried a signal: the update is skipped). Every rollout drawn is
+draws run out; none when no group carried a signal: the update then leaves the weights as they are). Every rollout drawn is
 the step's cost: its ``budget/*`` metrics, the run's token totals and the EM-per-token curve count
 the dropped groups too, and the step's rollout metrics (reward, informative fraction) describe all
 the groups drawn; ``rollout/trajectories`` and ``rollout/prompt_ids`` are the ones trained on.

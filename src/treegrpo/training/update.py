@@ -122,8 +122,8 @@ def update(
     if skipped:  # prompts longer than the context: no forward over them (not even the probe's)
         forests, advantages = [forests[i] for i in keep], [advantages[i] for i in keep]
         selects = [[mini[i] for i in keep] for mini in selects]
-    if not forests and not par.active:  # nothing to train on: no forward, no optimizer step
-        return {"update/packed": 0.0, **({"update/skipped_prompts": float(skipped)} if skipped else {})}
+        if not forests and not par.active:  # nothing left to train on: no forward, no optimizer step
+            return {"update/skipped_prompts": float(skipped), "update/packed": 0.0}
     packed = wants_packing(cfg, loss_cfg) and packing_supported(
         policy.local_module(),
         forests,
