@@ -297,7 +297,7 @@ def check_rewards_early(cfg: TrainConfig, user: UserObjects | None = None) -> No
     factory = user.environment_factory
     if is_custom(cfg, user):
         train, held_out = split_rows(cfg)
-        if factory is None:
+        if factory is None and not user.tools:  # the CLI's --tools: a tool class among them
             classes = [o for o in (import_object(r, "--tools") for r in cfg.tools) if inspect.isclass(o)]
             factory = classes[0] if len(classes) == 1 else None
     elif all(isinstance(s, str) and ":" not in s for s in specs):

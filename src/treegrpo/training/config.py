@@ -431,7 +431,8 @@ class TrainConfig(BaseModel):
 def with_protocol(cfg: TrainConfig, protocol: str) -> TrainConfig:
     """``cfg`` with ``protocol: auto`` replaced by the ``protocol`` the run speaks, as a set field
     (so ``config.json`` and a resume carry it); ``cfg`` itself when nothing changes."""
-    if cfg.protocol != "auto":
+    speaks_tools = bool(cfg.tools or cfg.env or (cfg.task == "search" and cfg.data))
+    if cfg.protocol != "auto" or (protocol == "tools" and not speaks_tools):  # an env handed in by code
         return cfg
     return TrainConfig.model_validate({**cfg.model_dump(include=cfg.model_fields_set), "protocol": protocol})
 
