@@ -14,7 +14,8 @@ class ScriptedEngine:
 
     It honours ``max_new_tokens`` and stops right after the first stop id, like a real engine; each
     returned token gets log-prob -0.5. ``calls`` records the contexts of every call, so tests can
-    check how often a prefix was run through the "model".
+    check how often a prefix was run through the "model". With ``seeds`` (per-request streams) a
+    request's draw comes from a generator seeded with its seed.
     """
 
     eos_token_id: int | None = None
@@ -30,11 +31,13 @@ class ScriptedEngine:
         contexts: Sequence[Sequence[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         self.calls.append([list(c) for c in contexts])
         out = []
-        for ctx in contexts:
-            draw = float(torch.rand((), generator=generator))
+        for k, ctx in enumerate(contexts):
+            own = None if seeds is None else torch.Generator().manual_seed(int(seeds[k]))
+            draw = float(torch.rand((), generator=generator if own is None else own))
             text = self.policy(self.tok.decode(list(ctx), skip_special_tokens=False), draw)
             ids = self.tok.encode(text, add_special_tokens=False)
             finish = "length"
@@ -56,9 +59,10 @@ class EOSEngine(ScriptedEngine):
     """The scripted engine, also stopping at EOS like a real one (EOS is the last token returned)."""
 
     def generate(
-        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        out = super().generate(contexts, params, generator)
+        out = super().generate(contexts, params, generator, seeds)
         eos = self.tok.eos_token_id
         for g in out:
             if eos in g.tokens:

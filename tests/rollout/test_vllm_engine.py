@@ -348,3 +348,11 @@ def test_real_vllm_engine(tmp_path: Path) -> None:  # pragma: no cover - GPU onl
     torch.testing.assert_close(
         torch.tensor(g.logprobs), _reference_logprobs(hf, prompt, g.tokens), atol=2e-3, rtol=0
     )
+
+
+def test_per_request_seeds_are_used_as_given(engine: VLLMEngine) -> None:
+    params = SamplingParams(max_new_tokens=4)
+    _, sps = engine.build_requests([[1], [2]], params, torch.Generator().manual_seed(1), seeds=[2**62 + 5, 7])
+    assert [sp.seed for sp in sps] == [2**62 + 5, 7]  # not drawn from the generator
+    with pytest.raises(ValueError, match="one seed per context"):
+        engine.build_requests([[1]], params, seeds=[1, 2])

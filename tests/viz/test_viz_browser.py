@@ -125,6 +125,27 @@ def test_native_tool_steps_show_their_calls_and_results(page: Any, tmp_path: Pat
     assert page.errors == []
 
 
+def test_a_tool_steps_latency_is_shown_with_its_paths(page: Any, tmp_path: Path) -> None:
+    """Each call's latency (``extra.tool_latency_s``) is on its node, with the summed latency of the
+    calls on the path root → node; the field is not repeated under "Other fields"."""
+    forest = native_forest()
+    tree = forest.trees[0]
+    tree.node(1).extra["tool_latency_s"] = [0.2, 0.35]
+    tree.node(2).extra["tool_latency_s"] = [1.5]  # (an answer step with a call, for the path sum)
+    src = tmp_path / "latency.jsonl"
+    write_forests([forest], src)
+    html, _ = write_view(src)
+    open_view(page, html)
+    node(page, 0, 1).click()
+    assert "tool latency\t0.200 s, 0.350 s · path 0.550 s" in page.inner_text("#detail")
+    node(page, 0, 2).click()
+    assert "tool latency\t1.500 s · path 2.050 s" in page.inner_text("#detail")
+    assert "tool_latency_s" not in page.inner_text("#detail")
+    node(page, 0, 3).click()  # no latency recorded: no row
+    assert "tool latency" not in page.inner_text("#detail")
+    assert page.errors == []
+
+
 def test_model_output_is_text_not_html(page: Any, tmp_path: Path) -> None:
     src = tmp_path / "known.jsonl"
     write_forests([known_forest()], src)

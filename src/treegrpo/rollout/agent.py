@@ -15,6 +15,10 @@ A stateful env (:mod:`treegrpo.envs.state`) also gets each trajectory's state ha
 (``Cursor.state``); a trajectory that starts at a node gets that node's state from a
 :class:`~treegrpo.rollout.state.StateKeeper` (restored, forked or replayed). Stateless envs take
 exactly the path they always took.
+
+The loops themselves live in :mod:`treegrpo.rollout.loop` (the sequential one, and the steps both
+share) and :mod:`treegrpo.rollout.pipeline` (``rollout_pipeline``: trajectories go on as their own
+tool results come back); :meth:`StepRunner.run_turns` picks one.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from typing import Any
 
 import torch
 
-from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env, check_outcomes
+from treegrpo.envs.base import AgentEnv, StepOutcome, Task, check_env
 from treegrpo.errors import ConfigError
 from treegrpo.rollout.chat import ObsFormat, observation_turn
-from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams
+from treegrpo.rollout.engine import Engine, EngineStats, Generation, SamplingParams, takes_seeds
 from treegrpo.rollout.state import StateKeeper, bind_world, open_world
+from treegrpo.rollout.streams import base_seed
 from treegrpo.rollout.templates import check_tool_template, rerender_note
 from treegrpo.rollout.toolcall import end_of_turn_ids
 from treegrpo.tree import Forest, Node, Tree
@@ -49,6 +54,15 @@ class AgentConfig:
         use_chat_template: apply the tokenizer's chat template to the prompt when it has one.
         obs_format: ``inline`` (the observation follows the step in the same assistant turn,
             Search-R1's way) or ``chat`` (a new turn through the chat template; :mod:`.chat`).
+        rollout_pipeline: the pipelined loop (:mod:`.pipeline`): a trajectory whose tool results
+            are back goes to the next engine call without waiting for the rest of its turn, and
+            generation runs while other trajectories' tool calls are in flight. Implies
+            ``trajectory_streams``. Off: one engine call per turn for every trajectory, then one
+            env step on the batch.
+        trajectory_streams: each engine request samples from its own stream, seeded by the
+            rollout seed, the trajectory's place in its tree and its turn (:mod:`.streams`), so
+            a forest does not depend on tool timing or on which requests share an engine call.
+            Off: one sampling stream for the whole batch (the default; the same forests as ever).
     """
 
     max_turns: int = 4
@@ -59,6 +73,13 @@ class AgentConfig:
     top_p: float = 1.0
     use_chat_template: bool = True
     obs_format: ObsFormat = "inline"
+    rollout_pipeline: bool = False
+    trajectory_streams: bool = False
+
+    @property
+    def streams(self) -> bool:
+        """Whether engine requests use per-trajectory streams (asked for, or pipelined)."""
+        return self.trajectory_streams or self.rollout_pipeline
 
 
 def fit_context_to_engine(cfg: AgentConfig, engine: object) -> tuple[AgentConfig, str | None]:
@@ -151,7 +172,9 @@ class RolloutResult:
 class Cursor:
     """A trajectory in flight: its next step becomes a child of ``parent_id`` in ``tree``.
     ``state``: a stateful env's live state handle (``None`` until the loop gives it the state of
-    ``parent_id``; always ``None`` for a stateless env)."""
+    ``parent_id``; always ``None`` for a stateless env). ``stream``: ``(tree index in its forest,
+    lineage)``, the trajectory's place for per-trajectory streams (:mod:`.streams`; lineage 0 is
+    the tree's initial chain, then one per trajectory the sampler starts in the tree)."""
 
     forest_index: int
     tree: Tree
@@ -160,6 +183,32 @@ class Cursor:
     turn: int
     task: Task
     state: Any = None
+    stream: tuple[int, int] | None = None
+
+
+@dataclass
+class LoopStats:
+    """Where a loop's wall time went, as running totals (read and reset with :meth:`take`).
+
+    Attributes:
+        engine_s: seconds inside engine calls.
+        env_s: seconds during which at least one env step (a batch's tool calls) was in flight.
+        idle_s: seconds the engine sat idle waiting for env steps (nothing ready to generate, or
+            the pipelined loop gathering a batch).
+        peak_in_flight: the most trajectories whose env step was out at once.
+    """
+
+    engine_s: float = 0.0
+    env_s: float = 0.0
+    idle_s: float = 0.0
+    peak_in_flight: int = 0
+
+    def take(self) -> LoopStats:
+        """The totals so far; the counters restart at zero."""
+        out = replace(self)
+        self.engine_s = self.env_s = self.idle_s = 0.0
+        self.peak_in_flight = 0
+        return out
 
 
 @dataclass
@@ -172,6 +221,8 @@ class StepRunner:
     cfg: AgentConfig = field(default_factory=AgentConfig)
     context_note: str | None = field(default=None, init=False)
     """Set when the context budget was capped by the engine (:func:`fit_context_to_engine`)."""
+    loop_stats: LoopStats = field(default_factory=LoopStats, init=False)
+    """Where the loop's time went (engine, env, engine idle), summed over every call."""
 
     def __post_init__(self) -> None:
         check_env(self.env)  # the contract, before anything runs: one line naming the env and the fix
@@ -206,6 +257,11 @@ class StepRunner:
             stop_strings=tuple(stop_strings),
         )
         self.obs_turn = observation_turn(self.tokenizer) if self.cfg.obs_format == "chat" else ("", "")
+        if self.cfg.streams and self.engine is not None and not takes_seeds(self.engine):
+            raise ConfigError(
+                f"trajectory_streams/rollout_pipeline need an engine whose generate takes seeds= (per-request "
+                f"seeds); {type(self.engine).__name__} does not: use the hf or vllm engine, or turn both off"
+            )
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, task: Task) -> list[int]:
@@ -322,101 +378,18 @@ class StepRunner:
         ``on_end(cursor)`` (optional) is called when a cursor's trajectory ends; the cursors it
         returns join the batch from the next turn on (a sampler starts a prompt's expansions as
         soon as that prompt's own trajectories are done, without waiting for the other prompts).
+        With ``cfg.rollout_pipeline`` the pipelined loop (:func:`~treegrpo.rollout.pipeline.run_pipelined`)
+        runs instead; with per-trajectory streams (``cfg.streams``) one base seed is drawn from
+        ``generator`` and every request samples from its own stream under it.
         """
+        from treegrpo.rollout.loop import Loop  # the loops build on this module's types
+        from treegrpo.rollout.pipeline import run_pipelined
+
         keeper = StateKeeper.for_env(self.env, kept_observation=lambda obs: self.observation_ids(obs)[0])
+        base = base_seed(generator) if self.cfg.streams else None
+        loop = Loop(self, budgets, params or self.params, on_end, keeper, generator, base)
         try:
-            return self._run_turns(cursors, budgets, generator, params or self.params, on_end, keeper)
+            return run_pipelined(loop, cursors) if self.cfg.rollout_pipeline else loop.run_sequential(cursors)
         finally:
             if keeper is not None:
                 keeper.release()
-
-    def _run_turns(
-        self,
-        cursors: Sequence[Cursor],
-        budgets: Sequence[Budget],
-        generator: torch.Generator | None,
-        params: SamplingParams,
-        on_end: Callable[[Cursor], Sequence[Cursor]] | None,
-        keeper: StateKeeper | None,
-    ) -> int:
-        active = list(cursors)
-        calls = 0
-        while active:
-            if keeper is not None:  # a new trajectory starts in its start node's state
-                for c in active:
-                    if c.state is None:
-                        c.state, replayed = keeper.state_at(c.tree, c.parent_id, c.task)
-                        budgets[c.forest_index].replayed_tool_calls += replayed
-            fits = [c for c in active if self.has_room(c.context)]
-            if len(fits) < len(active):  # a prompt longer than the context budget: a leaf, no generation
-                for c in active:
-                    if not self.has_room(c.context):
-                        self.end_without_room(c.tree, c.parent_id, c.task, c.turn, budgets[c.forest_index])
-                        if keeper is not None:
-                            keeper.close(c.state)
-                            c.state = None
-                        fits.extend(on_end(c) if on_end is not None else ())
-                active = fits
-                continue
-            gens = self.engine.generate([c.context for c in active], params, generator)
-            calls += 1
-            texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=False) for g in gens]
-            allowed = [c.turn < self.cfg.max_turns for c in active]
-            kwargs: dict[str, Any] = {}
-            if getattr(self.env, "needs_history", False):  # e.g. a format-aware reward
-                kwargs["histories"] = [[(n.text, n.observation) for n in c.tree.path(c.parent_id)[1:]] for c in active]
-            if getattr(self.env, "needs_messages", False):  # reward functions read the trajectory as messages
-                kwargs["messages"] = [self.messages(c.tree, c.parent_id) for c in active]
-            if keeper is not None:
-                kwargs["states"] = [c.state for c in active]
-            outcomes = check_outcomes(self.env, self.env.step([c.task for c in active], texts, allowed, **kwargs), len(active))
-            still: list[Cursor] = []
-            for c, g, text, out in zip(active, gens, texts, outcomes, strict=True):
-                budgets[c.forest_index].count_step(g, out)
-                obs_ids: list[int] = []
-                obs_text = out.observation
-                done, reward, info = out.done, out.reward, dict(out.info)
-                ended = not done and g.finish_reason == "eos" and not self.turns_end_at_eos
-                if not done and not ended:
-                    obs_text, obs_ids = self.observation_ids(out.observation or "")
-                    room = len(c.context) + len(g.tokens) + len(obs_ids) + self.cfg.max_step_tokens
-                    ended = room > self.cfg.max_context_tokens  # no room for another step: end here
-                if ended:  # an action-less turn ended at EOS (DESIGN §3.8: nothing follows it), or no room
-                    reward, more = self.end_reward(c.tree, c.parent_id, c.task, text, c.state)
-                    done, obs_ids, obs_text = True, [], None
-                    info = {k: v for k, v in info.items() if k != "messages"} | more
-                node = Node(
-                    id=c.tree.next_id(),
-                    parent=c.parent_id,
-                    text=text,
-                    observation=obs_text,
-                    tokens=list(g.tokens) + obs_ids,
-                    policy_mask=[1] * len(g.tokens) + [0] * len(obs_ids),
-                    logprobs=list(g.logprobs) + [0.0] * len(obs_ids),
-                    entropy=None if g.entropies is None else list(g.entropies) + [0.0] * len(obs_ids),
-                    reward=reward if done else None,
-                    extra={
-                        "kind": out.kind,
-                        "turn": c.turn + 1,
-                        "finish_reason": g.finish_reason,
-                        **info,
-                    },
-                )
-                if out.retrieval_error:
-                    node.extra["retrieval_error"] = True
-                c.tree.add(node)
-                if keeper is not None:
-                    if done:
-                        keeper.close(c.state)
-                        c.state = None
-                    else:
-                        keeper.record(c.tree, node.id, c.state)
-                if not done:
-                    c.context = c.context + node.tokens
-                    c.parent_id = node.id
-                    c.turn += 1
-                    still.append(c)
-                elif on_end is not None:
-                    still.extend(on_end(c))
-            active = still
-        return calls

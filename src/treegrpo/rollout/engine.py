@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -37,6 +38,7 @@ __all__ = [
     "engine_stats",
     "make_engine",
     "release_engine_cache",
+    "takes_seeds",
 ]
 
 FinishReason = Literal["stop", "eos", "length"]
@@ -171,6 +173,10 @@ class Engine(Protocol):
       must stay correct without it (it only bounds memory).
     * ``stats:`` :class:`EngineStats`, the model work done so far, never reset (the trainer logs
       the difference over a rollout as ``engine/*``; read it through :func:`engine_stats`).
+    * a keyword ``seeds`` on ``generate`` (:func:`takes_seeds`): one seed per context; request
+      ``i`` then draws only from a stream seeded with ``seeds[i]`` (``generator`` unused), so what
+      it samples does not depend on the other requests of the call (up to batch-dependent
+      numerics). The agent loop passes it with ``trajectory_streams`` (:mod:`.streams`).
     """
 
     eos_token_id: int | None
@@ -187,6 +193,18 @@ class Engine(Protocol):
     def load_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (after a trainer step)."""
         ...
+
+
+def takes_seeds(engine: object) -> bool:
+    """Whether ``engine.generate`` takes per-request ``seeds=`` (see :class:`Engine`)."""
+    fn = getattr(engine, "generate", None)
+    if fn is None:
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "seeds" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def release_engine_cache(engine: object) -> None:

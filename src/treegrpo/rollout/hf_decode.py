@@ -3,7 +3,9 @@ a token, the special ids, and the stop-string check.
 
 * :func:`sample` draws one token per row: greedy at temperature 0, else temperature-scaled,
   nucleus-filtered multinomial sampling from a ``torch.Generator`` (drawn on the generator's
-  device, so its stream is the one advanced). Log-probs are *not* taken from these scaled
+  device, so its stream is the one advanced) — or, with one generator per row (per-request
+  seeds), by inverting each row's CDF at a uniform drawn from that row's own generator, so a
+  row's token does not depend on the other rows of the batch. Log-probs are *not* taken from these scaled
   probabilities: the engine reports the model's own distribution (temperature 1, no top-p).
 * :func:`eos_ids` / :func:`pad_id`: every EOS id (the tokenizer's plus the generation config's)
   and the pad id used for padding a batch.
@@ -25,7 +27,7 @@ import torch
 
 from treegrpo.rollout.engine import FinishReason
 
-__all__ = ["EOS", "LENGTH", "REASONS", "RUNNING", "STOP", "check_stop_strings", "eos_ids", "pad_id", "sample"]
+__all__ = ["EOS", "LENGTH", "REASONS", "RUNNING", "STOP", "check_stop_strings", "eos_ids", "pad_id", "sample", "sample_rows"]
 
 # Finish-reason codes used on tensors inside the decode loop.
 RUNNING, STOP, EOS, LENGTH = 0, 1, 2, 3
@@ -60,10 +62,15 @@ def pad_id(model: torch.nn.Module, tokenizer: Any | None, eos_ids: Sequence[int]
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    row_generators: Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """Draw one token per row of float32 ``logits`` ``(B, V)``: greedy at temperature 0, else
-    temperature-scaled, nucleus-filtered multinomial sampling with ``generator``."""
+    temperature-scaled, nucleus-filtered multinomial sampling with ``generator`` — or, given
+    ``row_generators`` (one per row), :func:`sample_rows`."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -73,12 +80,28 @@ def sample(
         # Drop a token when the mass strictly before it already reaches top_p (the top one is kept).
         sorted_probs = sorted_probs.masked_fill(cum - sorted_probs >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+    if row_generators is not None:
+        return sample_rows(probs, row_generators)
     if generator is not None and generator.device != probs.device:
         # A generator lives on one device: draw there so its stream is the one advanced.
         return (
             torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
         )
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(probs: torch.Tensor, row_generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` ``(B, V)`` (rows need not sum to 1), row ``r`` from its own
+    generator: ``u`` uniform in [0, 1) from ``row_generators[r]`` (one float64 draw on the
+    generator's device), and the token is the first whose cumulative probability exceeds
+    ``u`` times the row's total (float64), so a zero-probability token is never drawn."""
+    if len(row_generators) != probs.shape[0]:
+        raise ValueError(f"{len(row_generators)} generators for {probs.shape[0]} rows: give one per row")
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=g.device) for g in row_generators])
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def check_stop_strings(

@@ -197,21 +197,27 @@ class HFEngine:
         contexts: Sequence[Sequence[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """Sample one step for every context, in one batched call (chunked by ``max_batch_size``).
 
         Each step ends right after an EOS / stop id / token completing a stop string (that token
         is returned), or after ``params.max_new_tokens`` tokens. Draws come from ``generator``
         (the global RNG when ``None``), so a seeded generator gives reproducible samples; prefix
-        reuse does not change which draws are made.
+        reuse does not change which draws are made. ``seeds`` (one per context): each request
+        draws from its own CPU generator seeded with its seed instead (``generator`` unused), so
+        its tokens do not depend on the other requests or the chunking (up to batch numerics).
 
         Raises:
             ValueError: an empty context, bad sampling params, stop strings without a tokenizer,
                 or a context that cannot fit ``max_new_tokens`` within ``max_position_embeddings``.
         """
         self._validate(contexts, params)
+        if seeds is not None and len(seeds) != len(contexts):
+            raise ValueError(f"{len(seeds)} seeds for {len(contexts)} contexts: give one seed per context")
         if not contexts:
             return []
+        rows = None if seeds is None else [torch.Generator().manual_seed(int(s)) for s in seeds]
         ctxs: list[Tokens] = [tuple(int(t) for t in c) for c in contexts]
         n = len(ctxs)
         bs = self.max_batch_size or n
@@ -236,7 +242,8 @@ class HFEngine:
                         self._cache_weights_key = key
                     share_prefixes(self._fwd, self.prefix_cache, ctxs, charges, self.max_batch_size)
                 for chunk in chunks:
-                    gens = self._generate_batch([ctxs[i] for i in chunk], params, generator, reuse)
+                    own = None if rows is None else [rows[i] for i in chunk]
+                    gens = self._generate_batch([ctxs[i] for i in chunk], params, generator, reuse, own)
                     for i, g in zip(chunk, gens, strict=True):
                         g.prefill_tokens += charges[i]
                         results[i] = g
@@ -270,8 +277,9 @@ class HFEngine:
         params: SamplingParams,
         generator: torch.Generator | None,
         reuse: bool,
+        row_generators: list[torch.Generator] | None = None,
     ) -> list[Generation]:
-        """Prefill + decode loop for one batch of contexts."""
+        """Prefill + decode loop for one batch of contexts (``row_generators``: one per context)."""
         device = self.device
         b = len(contexts)
         # The last context token is always run: its logits give the first sampled token.
@@ -303,7 +311,7 @@ class HFEngine:
 
         rows = torch.arange(b, device=device)  # batch row -> original index in this chunk
         for t in range(max_new):
-            tok = sample(logits, params.temperature, params.top_p, generator)
+            tok = sample(logits, params.temperature, params.top_p, generator, row_generators)
             scaled = logits if params.temperature in (0.0, 1.0) else logits / params.temperature
             logp_all = torch.log_softmax(scaled, dim=-1)  # the distribution drawn from (before top-p)
             out_tokens[rows, t] = tok
@@ -338,6 +346,8 @@ class HFEngine:
                 if keep.numel() == 0:
                     break
                 rows, tok, next_pos, mask = rows[keep], tok[keep], next_pos[keep], mask[keep]
+                if row_generators is not None:
+                    row_generators = [row_generators[i] for i in keep.tolist()]
                 cache.batch_select_indices(keep)
 
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)

@@ -23,6 +23,10 @@ A prompt thus spends its limit up to the cheapest expansion it could not afford 
 amount by which its last expansions ran longer than their depth's measured mean (over); every token
 is still booked once through :class:`~treegrpo.rollout.agent.Budget`, exactly as in every sampler.
 Each forest records its limit in ``extra["token_limit"]``.
+
+Under the pipelined loop the admissions read every trajectory *ended so far* across prompts, which
+depends on tool timing, so a token-matched forest is reproducible only with the sequential loop
+(per-trajectory streams or not); its picks and samples draw from per-prompt, per-round streams.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from treegrpo.errors import ConfigError
 from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
 from treegrpo.rollout.engine import release_engine_cache
 from treegrpo.rollout.sampling import ExpandMode, SamplerConfig
-from treegrpo.rollout.trees import initialize, surprise_scores
+from treegrpo.rollout.streams import pick_rng
+from treegrpo.rollout.trees import finish_streams, initialize, surprise_scores
 from treegrpo.tree import Forest, Node, Tree
 
 BudgetTokens = int | float | str
@@ -154,6 +159,9 @@ def sample_token_matched(
     chain_tokens = [sum(generated(n) for n in t.nodes) for f in forests for t in f.trees]
     limit = token_limit(cfg.budget_tokens, chain_tokens)
     in_flight = [0] * len(tasks)
+    rounds = [0] * len(tasks)  # rounds started per prompt
+    started = [[1] * cfg.m for _ in tasks]  # trajectories started per tree (the next lineage)
+    pick_base = rng.getrandbits(62) if runner.cfg.streams else None  # per-prompt, per-round pick streams
 
     def spent(fi: int) -> int:  # every expansion books a token or an overflow, so rounds end
         return budgets[fi].generated_tokens + budgets[fi].context_overflows
@@ -163,13 +171,17 @@ def sample_token_matched(
         tails = tail_costs(forests)  # every trajectory ended so far, all prompts
         times: list[dict[int, int]] = [{} for _ in forest.trees]
         new: list[Cursor] = []
+        rounds[fi] += 1
+        picks = rng if pick_base is None else pick_rng(pick_base, fi, rounds[fi])
         for _ in range(cfg.n):
             for ti, tree in enumerate(forest.trees):
-                node = pick_within(tree, cfg.expand_mode, rng, lambda nd, t=tree: remaining_cost(tails, t, nd.id), room, times[ti])
+                node = pick_within(tree, cfg.expand_mode, picks, lambda nd, t=tree: remaining_cost(tails, t, nd.id), room, times[ti])
                 if node is None:
                     continue
                 room -= remaining_cost(tails, tree, node.id)
-                new.append(Cursor(fi, tree, node.id, tree.context(node.id), tree.depth(node.id), tasks[fi]))
+                stream = (ti, started[fi][ti])
+                started[fi][ti] += 1
+                new.append(Cursor(fi, tree, node.id, tree.context(node.id), tree.depth(node.id), tasks[fi], stream=stream))
         in_flight[fi] = len(new)
         return new
 
@@ -180,6 +192,7 @@ def sample_token_matched(
     first = [c for fi in range(len(tasks)) for c in round_of(fi)]
     calls += runner.run_turns(first, budgets, generator, on_end=on_end)
     release_engine_cache(runner.engine)
+    finish_streams(runner, forests)
     for f in forests:
         f.extra["token_limit"] = round(limit, 3)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)

@@ -6,7 +6,11 @@
   context. A tree ends with 1 + N·L leaves.
 
 Both go through the same :class:`~treegrpo.rollout.agent.StepRunner`, batched across every
-prompt and tree per turn, so their costs are measured by the same counters.
+prompt and tree per turn, so their costs are measured by the same counters. With per-trajectory
+streams (``AgentConfig.streams``: ``trajectory_streams`` or ``rollout_pipeline``) a tree's picks
+draw from their own ``random.Random`` per forest, tree and round and every trajectory carries its
+place (tree, lineage), so the forest does not depend on the order trajectories end
+(:mod:`treegrpo.rollout.streams`); node ids are made dense in place order when the rollout ends.
 """
 
 from __future__ import annotations
@@ -22,17 +26,27 @@ from treegrpo.envs.base import Task
 from treegrpo.rollout.agent import Budget, Cursor, RolloutResult, StepRunner
 from treegrpo.rollout.engine import release_engine_cache
 from treegrpo.rollout.sampling import ExpandMode, SamplerConfig
+from treegrpo.rollout.streams import pick_rng, renumber
 from treegrpo.tree import Forest, Node, Tree
 
 
 def initialize(runner: StepRunner, tasks: Sequence[Task], n_trees: int) -> tuple[list[Forest], list[Cursor]]:
+    """One forest of ``n_trees`` root-only trees per task, and a cursor at each root (its
+    ``stream``: the tree's index in its forest, lineage 0)."""
     forests = [runner.new_forest(t, n_trees) for t in tasks]
     cursors = [
-        Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task)
+        Cursor(fi, tree, tree.root.id, list(tree.root.tokens), 0, task, stream=(ti, 0))
         for fi, (f, task) in enumerate(zip(forests, tasks, strict=True))
-        for tree in f.trees
+        for ti, tree in enumerate(f.trees)
     ]
     return forests, cursors
+
+
+def finish_streams(runner: StepRunner, forests: Sequence[Forest]) -> None:
+    """With per-trajectory streams, make every tree's node ids dense in place order
+    (:func:`~treegrpo.rollout.streams.renumber`); nothing otherwise."""
+    if runner.cfg.streams:
+        renumber([t for f in forests for t in f.trees])
 
 
 def sample_chains(
@@ -105,6 +119,8 @@ def sample_trees(
     budgets = [Budget() for _ in tasks]
     in_flight = {id(c.tree): 1 for c in cursors}  # trajectories of the tree's current round
     rounds = {id(c.tree): 0 for c in cursors}  # expansion rounds started per tree
+    started = {id(c.tree): 1 for c in cursors}  # trajectories started per tree (the next lineage)
+    pick_base = rng.getrandbits(62) if runner.cfg.streams else None  # per-tree pick streams
 
     def on_end(c: Cursor) -> list[Cursor]:
         key = id(c.tree)
@@ -112,10 +128,14 @@ def sample_trees(
         if in_flight[key] > 0 or rounds[key] >= cfg.l:
             return []
         rounds[key] += 1
+        tree_index = c.stream[0] if c.stream is not None else -1
+        picks = rng if pick_base is None else pick_rng(pick_base, c.forest_index, tree_index, rounds[key])
         new = []
-        for node in pick_nodes(c.tree, cfg.n, cfg.expand_mode, rng):
+        for node in pick_nodes(c.tree, cfg.n, cfg.expand_mode, picks):
             context = c.tree.context(node.id)
-            new.append(Cursor(c.forest_index, c.tree, node.id, context, c.tree.depth(node.id), c.task))
+            stream = (tree_index, started[key])
+            started[key] += 1
+            new.append(Cursor(c.forest_index, c.tree, node.id, context, c.tree.depth(node.id), c.task, stream=stream))
         in_flight[key] = len(new)
         return new
 
@@ -123,4 +143,5 @@ def sample_trees(
     # Released only now: every expansion context is a prefix of a trajectory of an earlier round,
     # whose KV the engine still holds (within its memory cap).
     release_engine_cache(runner.engine)
+    finish_streams(runner, forests)
     return RolloutResult(forests, budgets, calls, time.perf_counter() - t0)

@@ -329,15 +329,21 @@ class VLLMEngine:
         contexts: Sequence[Sequence[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> tuple[list[Any], list[Any]]:
-        """Token prompts and per-request sampling params. With ``generator`` every request gets a
-        seed drawn from it (reproducible rollouts); without, vLLM's own RNG is used."""
+        """Token prompts and per-request sampling params. ``seeds``: each request's own seed (a
+        trajectory's stream, :mod:`treegrpo.rollout.streams`); else, with ``generator``, every
+        request gets a seed drawn from it (reproducible rollouts); without either, vLLM's own RNG."""
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in c]) for c in contexts]
-        if generator is None:
-            seeds: list[int | None] = [None] * len(contexts)
+        if seeds is not None:
+            if len(seeds) != len(contexts):
+                raise ValueError(f"{len(seeds)} seeds for {len(contexts)} contexts: give one seed per context")
+            drawn: list[int | None] = [int(s) for s in seeds]
+        elif generator is None:
+            drawn = [None] * len(contexts)
         else:
-            seeds = torch.randint(0, 2**31 - 1, (len(contexts),), generator=generator).tolist()
-        return prompts, [self.sampling_params(params, s) for s in seeds]
+            drawn = torch.randint(0, 2**31 - 1, (len(contexts),), generator=generator).tolist()
+        return prompts, [self.sampling_params(params, s) for s in drawn]
 
     # ------------------------------------------------------------------ outputs
 
@@ -351,15 +357,17 @@ class VLLMEngine:
         contexts: Sequence[Sequence[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """Sample one step for every context in one ``LLM.generate`` call (vLLM batches them),
-        from the source module's current weights (pushed first if they changed)."""
+        from the source module's current weights (pushed first if they changed). ``seeds``: one
+        per context, each request sampled from its own seeded stream (:meth:`build_requests`)."""
         self._validate(contexts, params)
         if not contexts:
             return []
         self._wake()
         self._sync()
-        prompts, sps = self.build_requests(contexts, params, generator)
+        prompts, sps = self.build_requests(contexts, params, generator, seeds)
         outputs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False)
         if len(outputs) != len(contexts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(contexts)} requests")

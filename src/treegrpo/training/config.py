@@ -163,6 +163,14 @@ class TrainConfig(BaseModel):
         description="Keyword options of the engine (make_engine): vllm e.g. kv_cache_gb (CPU), gpu_memory_utilization, max_model_len, sleep_level (GPU colocation); hf e.g. max_batch_size.",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling threshold.")
+    rollout_pipeline: bool = Field(
+        False,
+        description="Pipelined rollout loop: a trajectory whose tool results are back goes to the next engine call without waiting for the slowest call of its turn, and generation runs while other trajectories' calls are in flight (tools with latency). Implies trajectory_streams. Off: one engine call per turn for every trajectory, then one env step on the batch.",
+    )
+    trajectory_streams: bool = Field(
+        False,
+        description="Each engine request samples from its own stream, seeded by the run's sampling stream, the trajectory's place in its tree and its turn, so a forest does not depend on tool timing or on which requests share an engine call (on with rollout_pipeline). Off: one sampling stream for the batch (the default).",
+    )
 
     # -- advantage and loss ------------------------------------------------------------------------
     advantage: str = Field(

@@ -1,11 +1,16 @@
-"""What a run reports: per-step rollout statistics (:func:`rollout_metrics`) and the console
+"""What a run reports: per-step rollout statistics (:func:`rollout_metrics`, :func:`tool_metrics`) and the console
 lines (:func:`run_shape`, :func:`fmt_eval`, :func:`step_line`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from treegrpo.retrieval.base import retrieval_error_warning
-from treegrpo.rollout.agent import RolloutResult
+from treegrpo.rollout.agent import LoopStats, RolloutResult
+from treegrpo.rollout.pipeline import chain_latency
 from treegrpo.training.config import TrainConfig
+from treegrpo.tree import Forest
 
 
 def rollout_metrics(result: RolloutResult, n_traj: int) -> dict[str, float]:
@@ -77,10 +82,35 @@ def step_line(step: int, m: dict[str, float], label: str = "success") -> str:
         f"gen tok {int(m['budget/generated_tokens'])} · tools/traj {m['budget/tool_calls_per_traj']:.2f} · "
         f"turns {m['rollout/turns_mean']:.2f} · {m['time/rollout_s']:.1f}s+{m['time/update_s']:.1f}s"
     )
+    if "tools/wall_s" in m:  # tools with latency: where the rollout's time went (tool_metrics)
+        line += (
+            f" · tools {m['tools/wall_s']:.1f}s peak {int(m['tools/peak_in_flight'])} "
+            f"idle {m['time/engine_idle_s']:.1f}s chain {m['tools/chain_latency_s']:.1f}s"
+        )
     if "eval/success_greedy" in m or "eval/success_sampled" in m:
         word = "" if label == "success" else f"{label} "
         line += f" · [bold]held-out {word}{fmt_eval(m)}[/]"
     return line
+
+
+def tool_metrics(loop: LoopStats, tools: dict[str, Any] | None, forests: Sequence[Forest]) -> dict[str, float]:
+    """What one rollout's tools cost in time: ``tools/wall_s`` (seconds with a call in flight: the
+    env's ``tool_stats`` ``busy_s``, else the loop's seconds with an env step out),
+    ``tools/peak_in_flight`` (the env's calls in flight at peak, else the loop's steps out at
+    once), ``tools/calls`` and ``tools/abandoned`` (the env's, when it counts them),
+    ``time/engine_idle_s`` (the engine waiting for tools), ``time/engine_s`` and
+    ``tools/chain_latency_s`` (the longest chain of dependent calls:
+    :func:`~treegrpo.rollout.pipeline.chain_latency`)."""
+    out = {
+        "tools/wall_s": float(tools["busy_s"]) if tools else loop.env_s,
+        "tools/peak_in_flight": float(tools["peak_in_flight"]) if tools else float(loop.peak_in_flight),
+        "time/engine_idle_s": loop.idle_s,
+        "time/engine_s": loop.engine_s,
+        "tools/chain_latency_s": chain_latency(forests),
+    }
+    if tools:
+        out.update({"tools/calls": float(tools["calls"]), "tools/abandoned": float(tools["abandoned"])})
+    return out
 
 
 def step_warnings(m: dict[str, float]) -> list[str]:
@@ -103,4 +133,4 @@ def step_warnings(m: dict[str, float]) -> list[str]:
     return out
 
 
-__all__ = ["eval_label", "fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings"]
+__all__ = ["eval_label", "fmt_eval", "rollout_metrics", "run_shape", "step_line", "step_warnings", "tool_metrics"]

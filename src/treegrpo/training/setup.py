@@ -71,7 +71,10 @@ def agent_config(
         limits["max_context_tokens"] = min(limits["max_context_tokens"], int(max_positions))
     taught = "obs_format" in recorded and "obs_format" not in cfg.model_fields_set
     obs_format = recorded["obs_format"] if taught else cfg.obs_format
-    return AgentConfig(**limits, temperature=cfg.temperature, top_p=cfg.top_p, obs_format=obs_format)
+    return AgentConfig(
+        **limits, temperature=cfg.temperature, top_p=cfg.top_p, obs_format=obs_format,
+        rollout_pipeline=cfg.rollout_pipeline, trajectory_streams=cfg.trajectory_streams,
+    )  # fmt: skip
 
 
 def build_run(

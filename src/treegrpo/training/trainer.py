@@ -50,6 +50,7 @@ from treegrpo.training.report import (
     run_shape,
     step_line,
     step_warnings,
+    tool_metrics,
 )
 from treegrpo.training.schedule import lr_at, set_lr
 from treegrpo.training.setup import RunParts, build_run, recorded_agent_fields
@@ -221,8 +222,10 @@ def train(
             engine.load_weights(policy.rollout_module())
             mine = shard(tasks, par.rank, par.world)
             before = engine_stats(engine)  # the engine's model work so far (None: it counts none)
+            tool_stats = _tool_counters(parts.env)  # evaluation's calls dropped: this rollout's only
             result: RolloutResult = sampler(runner, mine, sampler_cfg, run.pick_rng, run.gen)
             result.count_engine(before, engine_stats(engine))  # this rollout's: engine/* metrics
+            loop_stats, tools = runner.loop_stats.take(), (tool_stats.take() if tool_stats is not None else None)
             t1, c1 = time.perf_counter(), time.process_time()
             # 2. advantages, through the registry; one training sequence per leaf
             advs = _advantages(result, estimator, adv_cfg, parts.env)
@@ -244,6 +247,8 @@ def train(
                 n_traj, budget.generated_tokens, budget.prefill_tokens, budget.tool_calls, dt_roll, dt_upd
             )
             metrics.update(rollout_metrics(everything, n_traj))
+            if tools is not None or runner.cfg.rollout_pipeline:  # tools with latency: where the time went
+                metrics.update(tool_metrics(loop_stats, tools, everything.forests))
             metrics["rollout/prompt_ids"] = [t.id for t in tasks]  # what this step trained on (every rank's)
             if estimator in GIGPO_ESTIMATORS:  # GiGPO's own diagnostic: steps that have anchor-state peers
                 anchors = shared_anchor_stats(everything.forests, adv_cfg)
@@ -288,6 +293,15 @@ def train(
         atomic_write_json(out / "summary.json", summary.to_dict())
     par.close()
     return summary
+
+
+def _tool_counters(env: Any) -> Any:
+    """The env's ``tool_stats`` (``take()`` -> calls, busy_s, peak_in_flight, abandoned), reset
+    now, or ``None`` for an env that keeps none."""
+    stats = getattr(env, "tool_stats", None)
+    if stats is not None:
+        stats.take()
+    return stats
 
 
 def eval_due(cfg: TrainConfig, step: int, tokens_before: int, tokens_after: int) -> str | None:

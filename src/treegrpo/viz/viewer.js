@@ -186,6 +186,16 @@
     return { search: "S", tool: "T", answer: "A", invalid: "!", overflow: "…" }[x.kind] || "";
   }
 
+  // Each tool call's latency (extra.tool_latency_s, seconds, one per call), and the summed latency
+  // of the calls on the path root → node: the chain of dependent calls this node waited for.
+  const latencies = (n) => { const v = (n.extra || {}).tool_latency_s; return Array.isArray(v) ? v.map(Number) : []; };
+  function latencyRow(x, path) {
+    const own = latencies({ extra: x });
+    if (!own.length) return undefined;
+    const chain = path.reduce((s, p) => s + latencies(p).reduce((a, b) => a + b, 0), 0);
+    return own.map((v) => fmt(v, 3) + " s").join(", ") + " · path " + fmt(chain, 3) + " s";
+  }
+
   // A tool env's step (tag or native protocol) records its messages: the assistant turn with its
   // tool_calls, then one role "tool" message per call with the result the model read.
   function toolCalls(n) {
@@ -333,6 +343,7 @@
       ["tool calls", tc.calls.length ? tc.calls.map((c) => c.name).join(", ") + (x.refused ? " (refused: the last turn)"
         : x.tool_calls_ran !== undefined ? " (" + x.tool_calls_ran + " ran)" : "") : undefined],
       ["tool error", x.tool_error],
+      ["tool latency", latencyRow(x, path)],
     ].filter((r) => r[1] !== undefined && r[1] !== null);
     const table = el("table", {}, ...rows.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, String(v)))));
     const out = [el("h2", {}, "tree " + ti + " · node " + id), table];
@@ -350,7 +361,7 @@
       out.push(el("h3", {}, "Entropy per policy token"), strip(n.entropy, (v) => entColor(v, em), "entropy"),
         el("div", { class: "stat" }, "mean " + fmt(n.entropy.reduce((a, b) => a + b, 0) / n.entropy.length) + " · max " + fmt(em)));
     }
-    const known = new Set(["kind", "turn", "round", "finish_reason", "query", "anchor_group", "anchor_size", "tool", "tool_calls_ran", "tool_error"]);
+    const known = new Set(["kind", "turn", "round", "finish_reason", "query", "anchor_group", "anchor_size", "tool", "tool_calls_ran", "tool_error", "tool_latency_s"]);
     const rest = Object.entries(x).filter(([k]) => !known.has(k));
     if (rest.length) out.push(el("h3", {}, "Other fields"), el("table", {}, ...rest.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, typeof v === "string" ? v : JSON.stringify(v))))));
     if (path.length > 1) {
