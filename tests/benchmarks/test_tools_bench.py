@@ -60,6 +60,32 @@ def test_per_query_env_answers_as_the_search_env() -> None:
     assert search.__name__ == "search" and "Args:" in (search.__doc__ or "") and search("a")
 
 
+def test_tags_as_trl_chat_format(tiny_model_dir: Path) -> None:
+    """TRL's view of the tiny agent's tags: the template renders a conversation as the very text
+    the agent loop holds, passes TRL's tool-calling check, and the parser finds a turn's first
+    search (the text after it dropped)."""
+    from trl.chat_template_utils import supports_tool_calling
+
+    from treegrpo.benchmarks.tools_trl import TAGS_TEMPLATE, parse_tags
+    from treegrpo.envs.search import information
+    from treegrpo.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = TAGS_TEMPLATE
+    call = {"type": "function", "function": {"name": "search", "arguments": {"query": "who is x"}}}
+    messages = [{"role": "user", "content": "Question: who?\n"},
+                {"role": "assistant", "content": "<think> hm </think>\n", "tool_calls": [call]},
+                {"role": "tool", "name": "search", "content": "Doc 1(Title: x) y\n"},
+                {"role": "assistant", "content": "<answer> y </answer>"}]  # fmt: skip
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert text == "Question: who?\n<think> hm </think>\n<search> who is x </search>" + information("Doc 1(Title: x) y") + "<answer> y </answer>"
+    assert supports_tool_calling(tok)
+    ids = tok.encode("<think> a </think> <search> who is x </search> <information> made up", add_special_tokens=False)
+    got = parse_tags(tok, ids)
+    assert got["tool_calls"] == [call] and "made up" not in got["content"] and "<search>" not in got["content"]
+    assert "tool_calls" not in parse_tags(tok, tok.encode("<answer> y </answer>", add_special_tokens=False))
+
+
 def _row(job: str, sampler: str, latency: str, mode: str, walls: list[float], chain: float | None = None,
          engine: float | None = None, idle: float | None = None, update: float = 0.1) -> dict[str, Any]:  # fmt: skip
     steps = [{k: None for k in STEP_KEYS} | {"wall_s": w, "update_s": update, "chain_latency_s": chain,
@@ -90,10 +116,11 @@ def test_summary_ratios_by_hand() -> None:
     assert median([None, 1.0, 3.0]) == 2.0 and median([None]) is None
 
 
-def test_plan_puts_trl_on_the_smollm2_chain_only() -> None:
+def test_plan_puts_trl_beside_chain_4() -> None:
     keys = [r.key for r in plan_rows(ToolsSpec())]
-    assert [k for k in keys if k.endswith("/trl")] == ["smollm2/chain/constant/trl", "smollm2/chain/heavy/trl"]
-    assert keys[:2] == ["tiny/tree/none/today", "tiny/tree/none/pipelined"] and len(keys) == len(set(keys)) == 34
+    assert [k for k in keys if k.endswith("/trl")] == [f"{j}/chain/{x}/trl" for j in ("tiny", "smollm2") for x in ("constant", "heavy")]
+    assert keys[:2] == ["tiny/tree/none/today", "tiny/tree/none/pipelined"] and len(keys) == len(set(keys)) == 36
+    assert not any(k.endswith("/trl") for k in (r.key for r in plan_rows(ToolsSpec(trl=False))))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +163,7 @@ def test_quick_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monke
     assert "bench" in doc["provenance"]["command"] or "pytest" in doc["provenance"]["command"]
     rows = {r["key"]: r for r in doc["rows"]}
     assert list(rows) == ["tiny/chain/none/today", "tiny/chain/none/pipelined", "tiny/chain/constant/serial",
-                          "tiny/chain/constant/concurrent", "tiny/chain/constant/pipelined"]  # fmt: skip
+                          "tiny/chain/constant/concurrent", "tiny/chain/constant/pipelined", "tiny/chain/constant/trl"]  # fmt: skip
     for r in rows.values():
         assert len(r["steps"]) == 1 and len(r["warmup_steps"]) == 1
         assert all(set(s) == set(STEP_KEYS) and s["wall_s"] > 0 for s in r["steps"])
@@ -152,8 +179,10 @@ def test_quick_end_to_end(agent: Path, tmp_path: Path, monkeypatch: pytest.Monke
     base = rows["tiny/chain/none/today"]["steps"][0]["wall_s"]
     p = rows["tiny/chain/constant/pipelined"]["steps"][0]
     assert g["rows"]["constant/pipelined"]["over_limit"] == pytest.approx(p["wall_s"] / (base + p["chain_latency_s"]))
+    t = g["rows"]["constant/trl"]
+    assert t["over_pipelined"] == pytest.approx(rows["tiny/chain/constant/trl"]["steps"][0]["wall_s"] / p["wall_s"])
     again = CliRunner().invoke(bench, [*args, "--resume"])
-    assert again.exit_code == 0 and "resuming: 5 runs" in again.output
+    assert again.exit_code == 0 and "resuming: 6 runs" in again.output
 
 
 def test_bad_options_are_one_line() -> None:

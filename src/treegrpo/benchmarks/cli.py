@@ -440,6 +440,7 @@ def bench_tools_cmd(
     smollm2_model: str | None = typer.Option(None, help="The smollm2 job's starting folder (default: made once in --work)."),
     model: str | None = typer.Option(None, help="The tiny job's --model (default: the bootstrapped default agent)."),
     sets: list[str] = typer.Option([], "--set", help="TrainConfig fields of the tiny job's rows: --set key=value."),
+    trl: bool = typer.Option(True, "--trl/--no-trl", help="TRL's tools= rows beside chain 4."),
     resume: bool = typer.Option(False, "--resume", help="Keep the finished rows of --out (same settings)."),
 ) -> None:
     """Wall per step of a tool agent against its tools' latency: the default job with its search as
@@ -462,7 +463,7 @@ def bench_tools_cmd(
             jobs=("tiny",) if quick else lists["jobs"], samplers=lists["samplers"],
             latencies=tuple(dict.fromkeys(("none", *lists["latencies"]))), steps=1 if quick else steps,
             warmup=min(warmup, 1) if quick else warmup, prompts_per_step=prompts_per_step or (2 if quick else 16),
-            smollm2_model=smollm2_model, model=model, sets=parse_set(sets),
+            smollm2_model=smollm2_model, model=model, sets=parse_set(sets), trl=trl,
         )  # fmt: skip
         run_bench(spec, out, work, resume, _log)
     except ConfigError as e:

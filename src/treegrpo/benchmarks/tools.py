@@ -3,8 +3,8 @@
 Jobs (:data:`JOBS`): ``tiny`` — the default job (``treegrpo train``'s defaults: the tiny agent,
 the synthetic world, Search-R1's tags) with its search as a per-query tool
 (:class:`~treegrpo.benchmarks.tools_env.LatencySearchEnv`: one call per query, as a web search
-API is); ``smollm2`` — SmolLM2-135M-Instruct cut to 2 layers and warmed up on ``search(query)``
-calls (``--protocol tools``, ``chatml-tools``), calling the tool on its own
+API is); ``smollm2`` — SmolLM2-135M-Instruct cut to 2 layers (not warmed up) with its own tool
+calls (``--protocol tools``, ``chatml-tools``, the ``search(query)`` tool)
 (:func:`~treegrpo.benchmarks.tools_env.latency_search_tool` in a ``ToolEnv``). Tools
 (``latency``): ``none``, ``constant`` 200 ms, ``heavy`` (lognormal, median 200 ms, p99 ≈ 2 s),
 drawn per call from the query, spent as a sleep. Samplers: tree (2,2,1) and chain 4.
@@ -12,8 +12,8 @@ drawn per call from the query, spent as a sleep. Samplers: tree (2,2,1) and chai
 Modes (a row = job x sampler x latency x mode, :func:`plan_rows`): ``today`` (no latency, every
 default: the baseline), ``serial`` (``tool_concurrency=1``), ``concurrent`` (the default
 concurrency), ``pipelined`` (``rollout_pipeline``; with no latency: the default env pipelined),
-and ``trl`` (TRL's ``GRPOTrainer(tools=[search])`` with the same function, on the ``smollm2``
-job's chain 4 only: the tiny agent speaks tags, not a chat template's tool calls). The latency
+and ``trl`` (TRL's ``GRPOTrainer(tools=[search])`` with the same function, G = 4 beside chain 4;
+on the tiny job through a chat template and parser of the tags: :mod:`.tools_trl`). The latency
 rows run with ``trajectory_streams`` on, so serial, concurrent and pipelined grow the same
 forests (the same calls); the baseline keeps the batch stream (the default run).
 
@@ -21,8 +21,8 @@ Every row is a real training run in this process (``treegrpo.training.trainer.tr
 end evaluation on 1 question), ``warmup`` steps then ``steps`` measured steps; per step it records
 wall (rollout + update) and the trainer's tool metrics (``tools/wall_s``,
 ``tools/peak_in_flight``, ``time/engine_idle_s``, ``time/engine_s``, ``tools/chain_latency_s``).
-Rows run in :func:`plan_rows`'s order — a job and sampler's rows back to back (load drifts over
-the bench alike for the rows compared) — and are written as each finishes (``--resume`` keeps
+Rows run in :func:`plan_rows`'s order — the rows compared with each other (one job, latency and
+sampler) back to back, so load drifting over the bench affects them alike — and are written as each finishes (``--resume`` keeps
 the finished ones of the same settings).
 """
 
@@ -87,25 +87,29 @@ class ToolsSpec:
     smollm2_model: str | None = None
     model: str | None = None
     sets: dict[str, Any] = field(default_factory=dict)
+    trl: bool = True
+    smollm2_sets: dict[str, Any] = field(default_factory=lambda: {"max_turns": 2, "max_step_tokens": 48, "max_context_tokens": 768})
 
     def identity(self) -> dict[str, Any]:
         """What makes rows comparable across sessions (``--resume`` keeps rows made with it)."""
         d = dataclasses.asdict(self)
         return {k: d[k] for k in ("steps", "warmup", "seed", "threads", "tool_concurrency", "prompts_per_step",
-                                  "smollm2_prompts_per_step", "smollm2_model", "model", "sets")}  # fmt: skip
+                                  "smollm2_prompts_per_step", "smollm2_model", "model", "sets", "smollm2_sets")}  # fmt: skip
 
 
 def plan_rows(spec: ToolsSpec) -> list[Row]:
-    """The rows in running order: per job and sampler, ``none/today`` then ``none/pipelined``
-    (adjacent: the no-latency comparison), then per latency ``serial``, ``concurrent``,
-    ``pipelined`` and (``smollm2``, chain) ``trl``."""
+    """The rows in running order: per job, per latency (``none`` first), per sampler its rows back
+    to back — ``today`` then ``pipelined`` with no latency (adjacent: the no-latency comparison),
+    else ``serial``, ``concurrent``, ``pipelined`` and (chain, unless ``trl`` is off) ``trl``."""
     rows: list[Row] = []
     for job in spec.jobs:
-        for sampler in spec.samplers:
-            rows += [Row(job, sampler, "none", "today"), Row(job, sampler, "none", "pipelined")]
-            for lat in (x for x in spec.latencies if x != "none"):
+        for lat in ("none", *(x for x in spec.latencies if x != "none")):
+            for sampler in spec.samplers:
+                if lat == "none":
+                    rows += [Row(job, sampler, lat, "today"), Row(job, sampler, lat, "pipelined")]
+                    continue
                 rows += [Row(job, sampler, lat, m) for m in ("serial", "concurrent", "pipelined")]
-                if job == "smollm2" and sampler == "chain":
+                if sampler == "chain" and spec.trl:
                     rows.append(Row(job, sampler, lat, "trl"))
     return rows
 
@@ -122,7 +126,7 @@ def row_config(spec: ToolsSpec, row: Row, out_dir: Path) -> dict[str, Any]:
         cfg |= {"prompts_per_step": spec.prompts_per_step, **({"model": spec.model} if spec.model else {}), **spec.sets}
     else:
         cfg |= {"model": spec.smollm2_model, "data": "wiki-vital-qa", "corpus": "wiki-vital", "protocol": "tools",
-                "chat_template": "chatml-tools", "prompts_per_step": spec.smollm2_prompts_per_step, "kl_coef": 0.0}  # fmt: skip
+                "chat_template": "chatml-tools", "prompts_per_step": spec.smollm2_prompts_per_step, "kl_coef": 0.0, "lr": 1e-5, **spec.smollm2_sets}  # fmt: skip
     if row.latency != "none":
         cfg["trajectory_streams"] = True
     if row.mode == "pipelined":
@@ -197,25 +201,18 @@ def run_row(spec: ToolsSpec, row: Row, work: Path) -> dict[str, Any]:
 
 
 def smollm2_start(work: Path, log: Log) -> str:
-    """The ``smollm2`` job's starting folder: SmolLM2-135M-Instruct cut to 2 layers
-    (``treegrpo.cut_layers``) and warmed up on 64 demonstrations that call ``search`` once and
-    answer (``treegrpo warmup --protocol tools --chat-template chatml-tools``); made once in ``work``."""
-    warm = work / "smollm2-2layer-warm"
-    if (warm / "treegrpo_warmup.json").is_file():
-        return str(warm)
+    """The ``smollm2`` job's starting folder: SmolLM2-135M-Instruct cut to its first 2 layers
+    (``treegrpo.cut_layers``), made once in ``work``. Not warmed up: a wall-clock benchmark needs no
+    skill, and a 16-step ``--protocol tools`` warm-up of the cut (64 demonstrations) did not teach it
+    to call the tool either (held-out well-formed 0.000 after, measured in this session)."""
+    cut = work / "smollm2-2layer"
+    if (cut / "config.json").is_file():
+        return str(cut)
     from treegrpo.models.loader import resolve_model_ref
     from treegrpo.models.tiny import cut_layers
-    from treegrpo.training.config import load_config
-    from treegrpo.training.warmup_run import WarmupRun, run_warmup, sft_recipe
 
-    cut = cut_layers(resolve_model_ref("smollm2-135m"), 2, work / "smollm2-2layer")
-    log(f"bench tools: warming up {cut} on search(query) calls (once)")
-    cfg = load_config(None, {"model": str(cut), "data": "wiki-vital-qa", "corpus": "wiki-vital", "protocol": "tools",
-                             "chat_template": "chatml-tools", "threads": 1})  # fmt: skip
-    from rich.console import Console
-
-    run_warmup(cfg, WarmupRun(warm, demos=64, sft=sft_recipe(1.0, 1e-4, 4), eval_prompts=8), Console(file=io.StringIO()))
-    return str(warm)
+    log(f"bench tools: cutting smollm2-135m to 2 layers into {cut} (once)")
+    return str(cut_layers(resolve_model_ref("smollm2-135m"), 2, cut))
 
 
 def run_bench(spec: ToolsSpec, out: Path, work: Path, resume: bool, log: Log) -> dict[str, Any]:
@@ -225,11 +222,11 @@ def run_bench(spec: ToolsSpec, out: Path, work: Path, resume: bool, log: Log) ->
     from treegrpo.benchmarks.tools_report import document, plot
 
     work.mkdir(parents=True, exist_ok=True)
-    if "smollm2" in spec.jobs and spec.smollm2_model is None:
-        spec = dataclasses.replace(spec, smollm2_model=smollm2_start(work, log))
+    if spec.smollm2_model is None:  # the same identity whether or not this session runs the job
+        spec = dataclasses.replace(spec, smollm2_model=smollm2_start(work, log) if "smollm2" in spec.jobs else str(work / "smollm2-2layer"))
     rows_planned = plan_rows(spec)
     prov = provenance(model_dir={"tiny": spec.model or "the bootstrapped default agent", **(
-        {"smollm2": spec.smollm2_model} if spec.smollm2_model else {})}, threads=spec.threads)  # fmt: skip
+        {"smollm2": spec.smollm2_model} if "smollm2" in spec.jobs else {})}, threads=spec.threads)  # fmt: skip
     meta = {"identity": spec.identity()}
     kept, _ = (
         resume_rows(out, meta, [r.key for r in rows_planned], lambda r: r["key"], prov, log, "bench tools settings")

@@ -106,8 +106,8 @@ def document(rows: Sequence[dict[str, Any]], meta: dict[str, Any], prov: dict[st
                 "tool_concurrency=1, concurrent, pipelined, the no-latency baseline and TRL's tools= loop",
         **meta,
         "settings": {"steps": spec.steps, "warmup": spec.warmup, "threads": spec.threads,
-                     "order": "per job and sampler: none/today, none/pipelined, then per latency serial, concurrent, "
-                              "pipelined (and trl), back to back; rows written as each finishes"},
+                     "order": "per job, per latency (none first), per sampler: none/today then none/pipelined, or "
+                              "serial, concurrent, pipelined (and trl beside chain 4), back to back; rows written as each finishes"},
         "summary": summarize(rows),
         "rows": list(rows),
         "provenance": prov,
