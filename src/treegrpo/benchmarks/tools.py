@@ -237,7 +237,11 @@ def run_bench(spec: ToolsSpec, out: Path, work: Path, resume: bool, log: Log) ->
     for i, row in enumerate(rows_planned):
         if row.key not in done:
             log(f"bench tools: row {i + 1}/{len(rows_planned)} {row.key}")
-            done[row.key] = run_row(spec, row, work)
+            try:
+                done[row.key] = run_row(spec, row, work)
+            except Exception as e:  # one failed row is reported and left out; --resume runs it again
+                log(f"  {row.key} failed, left out: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                continue
             walls = [s["wall_s"] for s in done[row.key]["steps"]]
             log(f"  {row.key}: wall per step {', '.join(f'{w:.2f}' for w in walls)} s")
         rows = [done[r.key] for r in rows_planned if r.key in done]
