@@ -215,6 +215,16 @@ def smollm2_start(work: Path, log: Log) -> str:
     return str(cut_layers(resolve_model_ref("smollm2-135m"), 2, cut))
 
 
+def _default_agent(spec: ToolsSpec) -> str:
+    """The tiny job's starting folder when no ``model`` is given: the bootstrapped default agent
+    (of ``sets``' preset), as its run finds it."""
+    from treegrpo.tasks.registry import task_family
+    from treegrpo.training.config import TrainConfig
+
+    cfg = TrainConfig(**spec.sets)
+    return str(task_family(cfg).starting_model(cfg))
+
+
 def run_bench(spec: ToolsSpec, out: Path, work: Path, resume: bool, log: Log) -> dict[str, Any]:
     """Measure every row of :func:`plan_rows` (skipping those kept by ``resume``), writing the
     result after each, and return the document (:mod:`treegrpo.benchmarks.tools_report`)."""
@@ -225,7 +235,7 @@ def run_bench(spec: ToolsSpec, out: Path, work: Path, resume: bool, log: Log) ->
     if spec.smollm2_model is None:  # the same identity whether or not this session runs the job
         spec = dataclasses.replace(spec, smollm2_model=smollm2_start(work, log) if "smollm2" in spec.jobs else str(work / "smollm2-2layer"))
     rows_planned = plan_rows(spec)
-    prov = provenance(model_dir={"tiny": spec.model or "the bootstrapped default agent", **(
+    prov = provenance(model_dir={"tiny": spec.model or _default_agent(spec), **(
         {"smollm2": spec.smollm2_model} if "smollm2" in spec.jobs else {})}, threads=spec.threads)  # fmt: skip
     meta = {"identity": spec.identity()}
     kept, _ = (
