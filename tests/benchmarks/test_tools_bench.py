@@ -105,6 +105,8 @@ def test_summary_ratios_by_hand() -> None:
     assert g["baseline_wall_s"] == pytest.approx(1.1)
     p = g["rows"]["constant/pipelined"]
     assert p["limit_s"] == pytest.approx(1.9) and p["over_limit"] == pytest.approx(2.1 / 1.9)
+    assert [x["limit_s"] for x in p["per_step"]] == pytest.approx([1.8, 2.0, 1.9])
+    assert [x["over_limit"] for x in p["per_step"]] == pytest.approx([2.0 / 1.8, 2.2 / 2.0, 2.1 / 1.9])
     assert p["speedup_vs_serial"] == pytest.approx(29.0 / 2.1) and p["over_baseline"] == pytest.approx(2.1 / 1.1)
     assert p["gap"]["total_s"] == pytest.approx(0.2) and p["gap"]["engine_extra_s"] == pytest.approx(0.2)
     assert p["gap"]["idle_over_chain_s"] == pytest.approx(0.2) and p["gap"]["update_extra_s"] == pytest.approx(0.1)

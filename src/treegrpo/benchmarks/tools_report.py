@@ -7,7 +7,8 @@ Per job and sampler (a *group*), with medians over the measured steps:
 - ``baseline_wall_s``: the ``none/today`` row's wall per step (no latency, every default);
 - per row: ``wall_s``, ``over_baseline`` = ``wall_s / baseline_wall_s``, the tool metrics, and for
   a treegrpo row with latency ``chain_latency_s`` (its steps' longest chain of dependent calls),
-  ``limit_s`` = ``baseline_wall_s + chain_latency_s`` and ``over_limit`` = ``wall_s / limit_s``;
+  ``limit_s`` = ``baseline_wall_s + chain_latency_s`` and ``over_limit`` = ``wall_s / limit_s``,
+  and ``per_step``: step k's wall, the baseline's step k (the same prompts), chain, limit, ratio;
 - ``gap`` of a pipelined row with latency: ``wall_s - limit_s`` split into ``engine_extra_s``
   (its engine seconds over the no-latency pipelined row's: more, smaller engine calls),
   ``idle_over_chain_s`` (engine idle beyond the chain's latency: waits the chain does not
@@ -56,8 +57,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``{"groups": {job/sampler: {...}}, "targets": [...]}`` from the recorded rows (module
     docstring); a group without its baseline row gets no ratios."""
     groups: dict[str, dict[str, Any]] = {}
+    steps: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(f"{r['job']}/{r['sampler']}", {"rows": {}})["rows"][f"{r['latency']}/{r['mode']}"] = row_figures(r)
+        name, key = f"{r['job']}/{r['sampler']}", f"{r['latency']}/{r['mode']}"
+        groups.setdefault(name, {"rows": {}})["rows"][key] = row_figures(r)
+        steps[name, key] = r["steps"]
     targets = []
     for name, g in groups.items():
         rs = g["rows"]
@@ -69,6 +73,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if lat != "none" and mode != "trl" and b is not None and f["chain_latency_s"] is not None:
                 f["limit_s"] = b + f["chain_latency_s"]
                 f["over_limit"] = _div(f["wall_s"], f["limit_s"])
+                f["per_step"] = per_step(steps[name, key], steps[name, "none/today"])
         for lat in ("constant", "heavy"):
             p, s, t = rs.get(f"{lat}/pipelined"), rs.get(f"{lat}/serial"), rs.get(f"{lat}/trl")
             if p is not None and s is not None:
@@ -85,6 +90,17 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 ok = value <= bound if sense == "<=" else value >= bound
                 targets.append({"group": name, "target": label, "value": value, "bound": bound, "sense": sense, "met": ok})
     return {"groups": groups, "targets": targets}
+
+
+def per_step(row: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """Step k of a latency row against step k of the baseline (the same prompts): its wall, the
+    baseline's, its chain latency, the limit (baseline wall + chain) and the wall over it."""
+    out = []
+    for s, b in zip(row, base, strict=False):
+        limit = None if s["chain_latency_s"] is None else b["wall_s"] + s["chain_latency_s"]
+        out.append({"wall_s": s["wall_s"], "baseline_wall_s": b["wall_s"], "chain_latency_s": s["chain_latency_s"],
+                    "limit_s": limit, "over_limit": _div(s["wall_s"], limit)})  # fmt: skip
+    return out
 
 
 def gap(p: dict[str, Any], nolat: dict[str, Any] | None, base: dict[str, Any] | None) -> dict[str, float | None]:
@@ -145,4 +161,4 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     save_figure(fig, png)
 
 
-__all__ = ["TARGETS", "document", "gap", "median", "plot", "row_figures", "summarize"]
+__all__ = ["TARGETS", "document", "gap", "median", "per_step", "plot", "row_figures", "summarize"]
