@@ -97,8 +97,8 @@ def test_summary_ratios_by_hand() -> None:
     rows = [
         _row("tiny", "tree", "none", "today", [1.0, 1.2, 1.1]),  # baseline median 1.1
         _row("tiny", "tree", "none", "pipelined", [1.1, 1.2, 1.0], engine=0.5),  # 1.1: 1.0x
-        _row("tiny", "tree", "constant", "serial", [30.0, 28.0, 29.0], chain=0.8),
-        _row("tiny", "tree", "constant", "pipelined", [2.0, 2.2, 2.1], chain=0.8, engine=0.7, idle=1.0, update=0.2),
+        _row("tiny", "tree", "constant", "serial", [30.0, 28.0, 29.0], chain=0.8),  # the chain as timed alone
+        _row("tiny", "tree", "constant", "pipelined", [2.0, 2.2, 2.1], chain=0.9, engine=0.7, idle=1.0, update=0.2),
     ]
     s = summarize(rows)
     g = s["groups"]["tiny/tree"]
@@ -109,8 +109,9 @@ def test_summary_ratios_by_hand() -> None:
     assert [x["over_limit"] for x in p["per_step"]] == pytest.approx([2.0 / 1.8, 2.2 / 2.0, 2.1 / 1.9])
     assert p["speedup_vs_serial"] == pytest.approx(29.0 / 2.1) and p["over_baseline"] == pytest.approx(2.1 / 1.1)
     assert p["gap"]["total_s"] == pytest.approx(0.2) and p["gap"]["engine_extra_s"] == pytest.approx(0.2)
+    assert p["limit_chain_from"] == "constant/serial" and g["rows"]["constant/serial"]["limit_s"] == pytest.approx(1.9)
     assert p["gap"]["idle_over_chain_s"] == pytest.approx(0.2) and p["gap"]["update_extra_s"] == pytest.approx(0.1)
-    assert p["gap"]["other_s"] == pytest.approx(-0.3)
+    assert p["gap"]["other_s"] == pytest.approx(-0.3) and p["gap"]["own_chain_stretch_s"] == pytest.approx(0.1)
     met = {t["target"]: (t["value"], t["met"]) for t in s["targets"]}
     assert met["constant: pipelined wall <= 1.2x the limit"] == (pytest.approx(2.1 / 1.9), True)
     assert met["constant: pipelined >= 10x faster than tool_concurrency=1"] == (pytest.approx(29 / 2.1), True)

@@ -6,14 +6,19 @@ Per job and sampler (a *group*), with medians over the measured steps:
 
 - ``baseline_wall_s``: the ``none/today`` row's wall per step (no latency, every default);
 - per row: ``wall_s``, ``over_baseline`` = ``wall_s / baseline_wall_s``, the tool metrics, and for
-  a treegrpo row with latency ``chain_latency_s`` (its steps' longest chain of dependent calls),
-  ``limit_s`` = ``baseline_wall_s + chain_latency_s`` and ``over_limit`` = ``wall_s / limit_s``,
-  and ``per_step``: step k's wall, the baseline's step k (the same prompts), chain, limit, ratio;
+  a treegrpo row with latency ``limit_s`` = ``baseline_wall_s`` + the chain latency (the median over
+  steps of the longest chain of dependent calls, ``tools/chain_latency_s``, as the ``serial`` row
+  timed it — serial, concurrent and pipelined grow the same forests, so the same chain, and calls
+  timed one at a time with the engine idle are not stretched by the process's own work; named in
+  ``limit_chain_from``), ``over_limit`` = ``wall_s / limit_s``, and ``per_step``: step k's wall, the
+  baseline's step k (the same prompts), the chain, limit and ratio;
 - ``gap`` of a pipelined row with latency: ``wall_s - limit_s`` split into ``engine_extra_s``
   (its engine seconds over the no-latency pipelined row's: more, smaller engine calls),
   ``idle_over_chain_s`` (engine idle beyond the chain's latency: waits the chain does not
   explain), ``update_extra_s`` (update seconds over the baseline's) and ``other_s`` (the rest:
-  the loop's own work, the baseline's rollout overheads the pipelined row does not share).
+  the loop's own work, the baseline's rollout overheads the pipelined row does not share);
+  ``own_chain_stretch_s`` (not in the sum): the row's own chain latency over the limit's — the
+  same calls timed while the process generates and trains (a sleeping call waits for the GIL).
 """
 
 from __future__ import annotations
@@ -70,10 +75,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for key, f in rs.items():
             f["over_baseline"] = _div(f["wall_s"], b)
             lat, mode = key.split("/")
-            if lat != "none" and mode != "trl" and b is not None and f["chain_latency_s"] is not None:
-                f["limit_s"] = b + f["chain_latency_s"]
+            ref = f"{lat}/serial" if f"{lat}/serial" in rs else key  # the chain's calls, timed alone
+            chains = [s["chain_latency_s"] for s in steps[name, ref]]
+            if lat != "none" and mode != "trl" and b is not None and None not in chains:
+                f["limit_chain_from"] = ref
+                f["limit_s"] = b + median(chains)  # type: ignore[operator]
                 f["over_limit"] = _div(f["wall_s"], f["limit_s"])
-                f["per_step"] = per_step(steps[name, key], steps[name, "none/today"])
+                f["per_step"] = per_step(steps[name, key], steps[name, "none/today"], chains)
         for lat in ("constant", "heavy"):
             p, s, t = rs.get(f"{lat}/pipelined"), rs.get(f"{lat}/serial"), rs.get(f"{lat}/trl")
             if p is not None and s is not None:
@@ -92,13 +100,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"groups": groups, "targets": targets}
 
 
-def per_step(row: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[dict[str, float | None]]:
+def per_step(row: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], chains: Sequence[float]) -> list[dict[str, float | None]]:
     """Step k of a latency row against step k of the baseline (the same prompts): its wall, the
-    baseline's, its chain latency, the limit (baseline wall + chain) and the wall over it."""
+    baseline's, the chain latency ``chains[k]``, the limit (baseline wall + chain) and the wall over it."""
     out = []
-    for s, b in zip(row, base, strict=False):
-        limit = None if s["chain_latency_s"] is None else b["wall_s"] + s["chain_latency_s"]
-        out.append({"wall_s": s["wall_s"], "baseline_wall_s": b["wall_s"], "chain_latency_s": s["chain_latency_s"],
+    for s, b, c in zip(row, base, chains, strict=False):
+        limit = b["wall_s"] + c
+        out.append({"wall_s": s["wall_s"], "baseline_wall_s": b["wall_s"], "chain_latency_s": c,
                     "limit_s": limit, "over_limit": _div(s["wall_s"], limit)})  # fmt: skip
     return out
 
@@ -106,11 +114,13 @@ def per_step(row: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> l
 def gap(p: dict[str, Any], nolat: dict[str, Any] | None, base: dict[str, Any] | None) -> dict[str, float | None]:
     """Where a pipelined row's wall beyond its limit goes (module docstring)."""
     total = p["wall_s"] - p["limit_s"]
+    chain = p["limit_s"] - (base["wall_s"] if base else 0.0)  # the chain latency of the limit
     engine = None if nolat is None or p["engine_s"] is None or nolat["engine_s"] is None else p["engine_s"] - nolat["engine_s"]
-    idle = None if p["engine_idle_s"] is None else p["engine_idle_s"] - p["chain_latency_s"]
+    idle = None if p["engine_idle_s"] is None else p["engine_idle_s"] - chain
     update = None if base is None else p["update_s"] - base["update_s"]
     other = total - sum(x for x in (engine, idle, update) if x is not None)
-    return {"total_s": total, "engine_extra_s": engine, "idle_over_chain_s": idle, "update_extra_s": update, "other_s": other}
+    return {"total_s": total, "engine_extra_s": engine, "idle_over_chain_s": idle, "update_extra_s": update, "other_s": other,
+            "own_chain_stretch_s": p["chain_latency_s"] - chain}  # fmt: skip
 
 
 def document(rows: Sequence[dict[str, Any]], meta: dict[str, Any], prov: dict[str, Any], spec: Any) -> dict[str, Any]:
