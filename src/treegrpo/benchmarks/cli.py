@@ -426,6 +426,50 @@ def bench_peers_cmd(
         _fail(f"error: {first}\n" + "\n".join(rest), code=1)
 
 
+@bench.command("tools")
+def bench_tools_cmd(
+    out: Path = typer.Option(Path("benchmarks/results/tools.json"), help="Results JSON (plot next to it, .png)."),
+    work: Path = typer.Option(Path("runs/bench-tools"), help="Work folder: one run folder per row, the warmed-up SmolLM2."),
+    quick: bool = typer.Option(False, "--quick", help="A smoke test: the tiny job, 2 prompts per step, 1 warm-up and 1 measured step."),
+    jobs: str = typer.Option("tiny,smollm2", help="Comma-separated jobs: tiny (the default job, search per query) | smollm2 (its own tool calls; TRL's row)."),
+    samplers: str = typer.Option("tree,chain", help="Comma-separated samplers: tree (2,2,1) | chain 4."),
+    latencies: str = typer.Option("none,constant,heavy", help="Comma-separated tool latencies (none is the baseline, always run)."),
+    steps: int = typer.Option(3, help="Measured steps per row (after --warmup steps)."),
+    warmup: int = typer.Option(1, help="Unmeasured steps at the start of each row."),
+    prompts_per_step: int | None = typer.Option(None, help="Prompts per step of the tiny job (default: train's 16; --quick 2)."),
+    smollm2_model: str | None = typer.Option(None, help="The smollm2 job's starting folder (default: made once in --work)."),
+    model: str | None = typer.Option(None, help="The tiny job's --model (default: the bootstrapped default agent)."),
+    sets: list[str] = typer.Option([], "--set", help="TrainConfig fields of the tiny job's rows: --set key=value."),
+    trl: bool = typer.Option(True, "--trl/--no-trl", help="TRL's tools= rows beside chain 4."),
+    resume: bool = typer.Option(False, "--resume", help="Keep the finished rows of --out (same settings)."),
+) -> None:
+    """Wall per step of a tool agent against its tools' latency: the default job with its search as
+    a per-query tool and SmolLM2 with its own tool calls; constant 200 ms and heavy-tailed tools;
+    tool_concurrency=1, concurrent, pipelined, the no-latency baseline and TRL's tools= loop."""
+    from treegrpo.benchmarks.tools import JOBS, SAMPLERS, ToolsSpec, run_bench
+    from treegrpo.benchmarks.tools_env import LATENCIES
+    from treegrpo.errors import ConfigError
+    from treegrpo.training.config import parse_set
+
+    given = {"jobs": jobs, "samplers": samplers, "latencies": latencies}
+    lists = {n: tuple(x.strip() for x in v.split(",") if x.strip()) for n, v in given.items()}
+    for name, allowed in (("jobs", JOBS), ("samplers", SAMPLERS), ("latencies", LATENCIES)):
+        if not lists[name] or any(x not in allowed for x in lists[name]):
+            _fail(f"error: --{name} {given[name]!r}: choose among {','.join(allowed)}")
+    if steps < 1 or warmup < 0 or (prompts_per_step is not None and prompts_per_step < 1):
+        _fail("error: --steps and --prompts-per-step must be >= 1, --warmup >= 0")
+    try:
+        spec = ToolsSpec(
+            jobs=("tiny",) if quick else lists["jobs"], samplers=lists["samplers"],
+            latencies=tuple(dict.fromkeys(("none", *lists["latencies"]))), steps=1 if quick else steps,
+            warmup=min(warmup, 1) if quick else warmup, prompts_per_step=prompts_per_step or (2 if quick else 16),
+            smollm2_model=smollm2_model, model=model, sets=parse_set(sets), trl=trl,
+        )  # fmt: skip
+        run_bench(spec, out, work, resume, _log)
+    except ConfigError as e:
+        _fail(f"error: {e}")
+
+
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     """A comma-separated list of integers, or a one-line error naming ``flag``."""
     try:
