@@ -57,8 +57,9 @@ def job_regime(results: dict[str, Any], job: str) -> dict[str, Any]:
     """What ``job`` was, from its rows: ``prompt_tokens`` (per run, the median over steps 2..K of a
     step's mean prompt length, as the table's figures; then the median over repeats), ``prompt_range``
     (the shortest and longest prompt seen), ``completion`` (each row's mean model tokens per
-    trajectory, from the table; an ablation row's are its base row's), ``group_size``, ``turns`` and ``trl_scores_prompt`` (TRL's fused LM
-    head scored every prompt position: its ``lm_head`` probe said not ``compact``; ``None``: no probe)."""
+    trajectory, from the table; ablation rows left out: theirs are their base row's), ``group_size``,
+    ``turns`` and ``trl_scores_prompt`` (TRL's fused LM head scored every prompt position: its
+    ``lm_head`` probe said not ``compact``; ``None``: no probe)."""
     rows = [r for r in results["rows"] if r["job"] == job]
     first = min(rows, key=lambda r: (r["system"] != "trl", r.get("repeat", 0)))
     runs = [r for r in rows if r["name"] == first["name"]]
@@ -69,7 +70,9 @@ def job_regime(results: dict[str, Any], job: str) -> dict[str, Any]:
     return {
         "prompt_tokens": statistics.median(x for x in per_run if x is not None),
         "prompt_range": [min(map(min, lengths)), max(map(max, lengths))],
-        "completion": {t["name"]: t["completion_len_mean"] for t in results["table"] if t["job"] == job and not t.get("ablation")},
+        "completion": {
+            t["name"]: t["completion_len_mean"] for t in results["table"] if t["job"] == job and not t.get("ablation")
+        },
         "group_size": spec["group_size"],
         "turns": f"up to {spec['max_turns'] + 1} turns" if job == "multi_turn" else "one turn",
         "trl_scores_prompt": None if probe is None else not probe.get("compact", True),
