@@ -449,7 +449,7 @@ def bench_tools_cmd(
     from treegrpo.benchmarks.tools import JOBS, SAMPLERS, ToolsSpec, run_bench
     from treegrpo.benchmarks.tools_env import LATENCIES
     from treegrpo.errors import ConfigError
-    from treegrpo.training.config import parse_set
+    from treegrpo.training.config_files import parse_set
 
     given = {"jobs": jobs, "samplers": samplers, "latencies": latencies}
     lists = {n: tuple(x.strip() for x in v.split(",") if x.strip()) for n, v in given.items()}
